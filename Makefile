@@ -1,0 +1,32 @@
+# Two commands matter: `make run` (the quickstart job end to end) and `make test` (the test suite).
+# Both create .venv on a fresh machine and install everything they need into it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU build of torch; on machines that ship it on disk pip takes that file.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test run lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip setuptools wheel
+	$(BIN)/pip install "$(TORCH_SPEC)"
+	$(BIN)/pip install -e ".[operator,node,train,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+run: $(STAMP)
+	$(BIN)/kareus run examples/quickstart.yaml --out out/quickstart
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/yamllint -s crds examples
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from kareus.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The training workload: model shapes, the per-layer op graph, partitions and pipeline stages."""
