@@ -1,0 +1,362 @@
+"""Cluster policy: what a platform team allows KareusJobs to ask for.
+
+A platform team governs Kareus through Helm values; the chart renders `values.policy` into a
+ConfigMap (key `policy.yaml`) that the operator reads with `load_policy`. The policy says
+
+- which objectives a job may choose (`maxThroughput`, `timeBudget`, `energyBudget`) and which one
+  a job gets when it names none;
+- how much slower than the fastest plan a time budget may make a job (`maxSlowdownPercent`), so a
+  team cannot trade the cluster's throughput for its own energy bill without limit;
+- the SM clock floor and ceiling per GPU model (a default plus overrides keyed by the node-label
+  spelling, e.g. `NVIDIA-A100-SXM4-40GB`): plans stay inside them, the node daemon refuses
+  anything outside;
+- per-namespace energy budgets in kilowatt-hours;
+- whether profiles may be reused across jobs with the same profile key;
+- which namespaces may run KareusJobs at all (empty means every namespace).
+
+Every key is optional; an absent key takes the permissive default. A typo is an error naming the
+key, because a silently ignored policy is worse than none. `check_job` compares one job with the
+policy and returns every violation at once, so the operator can report them in one condition.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kareus.errors import KareusError
+
+POLICY_CONFIGMAP_KEY = "policy.yaml"
+OBJECTIVES: tuple[str, ...] = ("maxThroughput", "timeBudget", "energyBudget")
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_TOP_KEYS = frozenset({
+    "allowedObjectives", "defaultObjective", "maxSlowdownPercent", "clockBounds",
+    "namespaceEnergyBudgets", "profileReuse", "allowedNamespaces",
+})
+_BOUNDS_KEYS = frozenset({"floorMHz", "ceilingMHz"})
+_CLOCK_KEYS = frozenset({"default", "gpuModels"})
+
+
+class PolicyError(KareusError):
+    """The cluster policy document is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ClockBounds:
+    """SM clock limits in MHz; None on a side means that side is not limited."""
+
+    floor_mhz: int | None = None
+    ceiling_mhz: int | None = None
+
+    def allows(self, clock_mhz: float) -> bool:
+        above_floor = self.floor_mhz is None or clock_mhz >= self.floor_mhz
+        below_ceiling = self.ceiling_mhz is None or clock_mhz <= self.ceiling_mhz
+        return above_floor and below_ceiling
+
+    def clamp(self, clock_mhz: int) -> int:
+        if self.floor_mhz is not None:
+            clock_mhz = max(clock_mhz, self.floor_mhz)
+        if self.ceiling_mhz is not None:
+            clock_mhz = min(clock_mhz, self.ceiling_mhz)
+        return clock_mhz
+
+    def merged_over(self, base: ClockBounds) -> ClockBounds:
+        """These bounds with any unset side taken from `base` (a model override over the default)."""
+        return ClockBounds(
+            self.floor_mhz if self.floor_mhz is not None else base.floor_mhz,
+            self.ceiling_mhz if self.ceiling_mhz is not None else base.ceiling_mhz,
+        )
+
+
+@dataclass(frozen=True)
+class ClusterPolicy:
+    """The typed policy; the defaults allow everything (what an absent ConfigMap means)."""
+
+    allowed_objectives: frozenset[str] = frozenset(OBJECTIVES)
+    default_objective: str = "maxThroughput"
+    max_slowdown_percent: float | None = None
+    default_clock_bounds: ClockBounds = ClockBounds()
+    gpu_clock_bounds: Mapping[str, ClockBounds] = field(default_factory=dict)
+    namespace_energy_budgets_kwh: Mapping[str, float] = field(default_factory=dict)
+    profile_reuse: bool = True
+    allowed_namespaces: frozenset[str] = frozenset()
+
+    def namespace_allowed(self, namespace: str) -> bool:
+        return not self.allowed_namespaces or namespace in self.allowed_namespaces
+
+    def clock_bounds_for(self, gpu_product: str | None) -> ClockBounds:
+        """Bounds for a GPU model, accepting the node-label (`NVIDIA-A100-SXM4-40GB`) and plain spellings."""
+        if gpu_product:
+            wanted = gpu_model_key(gpu_product)
+            for model, bounds in self.gpu_clock_bounds.items():
+                if gpu_model_key(model) == wanted:
+                    return bounds.merged_over(self.default_clock_bounds)
+        return self.default_clock_bounds
+
+    def energy_budget_kwh(self, namespace: str) -> float | None:
+        return self.namespace_energy_budgets_kwh.get(namespace)
+
+    def reuse_profiles(self, job_wants_reuse: bool) -> bool:
+        """A job reuses a stored profile only when both it and the cluster allow it."""
+        return self.profile_reuse and job_wants_reuse
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One way a job breaks the policy: `rule` is the policy key, `message` says what to change."""
+
+    rule: str
+    message: str
+
+
+def gpu_model_key(name: str) -> str:
+    """Normalise a GPU model name so `NVIDIA-A100-SXM4-40GB`, `nvidia a100-sxm4-40gb` and `A100-SXM4-40GB` match."""
+    key = re.sub(r"[\s_]+", "-", name.strip().upper())
+    return key.removeprefix("NVIDIA-")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_policy(source: str | Mapping[str, Any] | None) -> ClusterPolicy:
+    """Parse a policy from YAML text or an already-parsed mapping; None or empty text gives the defaults."""
+    raw = _parse_text(source) if isinstance(source, str) or source is None else source
+    if not isinstance(raw, Mapping):
+        raise PolicyError(f"policy: must be a mapping of policy keys, got {type(raw).__name__}")
+    _reject_unknown(raw, _TOP_KEYS, "policy")
+    allowed = _objectives(raw.get("allowedObjectives", list(OBJECTIVES)))
+    # Without an explicit default, the first allowed objective in OBJECTIVES order is the default.
+    default = raw.get("defaultObjective", next(o for o in OBJECTIVES if o in allowed))
+    if default not in OBJECTIVES:
+        raise PolicyError(f"policy.defaultObjective: must be one of {', '.join(OBJECTIVES)}, got {default!r}")
+    if default not in allowed:
+        raise PolicyError(
+            f"policy.defaultObjective: {default!r} must be one of policy.allowedObjectives "
+            f"({', '.join(sorted(allowed))})"
+        )
+    default_bounds, gpu_bounds = _clock_bounds(raw.get("clockBounds", {}))
+    return ClusterPolicy(
+        allowed_objectives=allowed,
+        default_objective=default,
+        max_slowdown_percent=_optional_positive(raw.get("maxSlowdownPercent"), "policy.maxSlowdownPercent"),
+        default_clock_bounds=default_bounds,
+        gpu_clock_bounds=gpu_bounds,
+        namespace_energy_budgets_kwh=_energy_budgets(raw.get("namespaceEnergyBudgets", {})),
+        profile_reuse=_boolean(raw.get("profileReuse", True), "policy.profileReuse"),
+        allowed_namespaces=_namespaces(raw.get("allowedNamespaces", [])),
+    )
+
+
+def load_policy_file(path: str | Path) -> ClusterPolicy:
+    """Read the policy the operator was given (`--policy-file`, the mounted ConfigMap key)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(f"policy file {path}: cannot be read ({exc.strerror or exc})") from exc
+    return load_policy(text)
+
+
+def _parse_text(text: str | None) -> Any:
+    if text is None or not text.strip():
+        return {}
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"policy: not valid YAML ({exc})") from exc
+    return {} if parsed is None else parsed
+
+
+def _reject_unknown(raw: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
+    unknown = sorted(str(k) for k in raw if k not in allowed)
+    if unknown:
+        raise PolicyError(
+            f"{where}.{unknown[0]}: unknown key; allowed keys are {', '.join(sorted(allowed))}"
+        )
+
+
+def _objectives(value: Any) -> frozenset[str]:
+    where = "policy.allowedObjectives"
+    if not isinstance(value, list) or not value:
+        raise PolicyError(f"{where}: must be a non-empty list drawn from {', '.join(OBJECTIVES)}")
+    for i, item in enumerate(value):
+        if item not in OBJECTIVES:
+            raise PolicyError(f"{where}[{i}]: must be one of {', '.join(OBJECTIVES)}, got {item!r}")
+    return frozenset(value)
+
+
+def _number(value: Any, where: str) -> float:
+    # bool is an int subclass; `true` as a number is a typo, not 1.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise PolicyError(f"{where}: must be a number, got {value!r}")
+    return float(value)
+
+
+def _optional_positive(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    number = _number(value, where)
+    if number <= 0:
+        raise PolicyError(f"{where}: must be > 0, got {value!r}")
+    return number
+
+
+def _boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise PolicyError(f"{where}: must be true or false, got {value!r}")
+    return value
+
+
+def _clock_mhz(value: Any, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PolicyError(f"{where}: must be a whole number of MHz > 0, got {value!r}")
+    return value
+
+
+def _bounds(raw: Any, where: str) -> ClockBounds:
+    if not isinstance(raw, Mapping):
+        raise PolicyError(f"{where}: must be a mapping with floorMHz and/or ceilingMHz")
+    _reject_unknown(raw, _BOUNDS_KEYS, where)
+    bounds = ClockBounds(
+        _clock_mhz(raw.get("floorMHz"), f"{where}.floorMHz"),
+        _clock_mhz(raw.get("ceilingMHz"), f"{where}.ceilingMHz"),
+    )
+    if bounds.floor_mhz is not None and bounds.ceiling_mhz is not None and bounds.floor_mhz > bounds.ceiling_mhz:
+        raise PolicyError(
+            f"{where}.floorMHz: {bounds.floor_mhz} must not exceed ceilingMHz {bounds.ceiling_mhz}"
+        )
+    return bounds
+
+
+def _clock_bounds(raw: Any) -> tuple[ClockBounds, dict[str, ClockBounds]]:
+    where = "policy.clockBounds"
+    if not isinstance(raw, Mapping):
+        raise PolicyError(f"{where}: must be a mapping with 'default' and/or 'gpuModels'")
+    _reject_unknown(raw, _CLOCK_KEYS, where)
+    default = _bounds(raw.get("default") or {}, f"{where}.default")
+    models = raw.get("gpuModels") or {}
+    if not isinstance(models, Mapping):
+        raise PolicyError(f"{where}.gpuModels: must map GPU model names to floorMHz/ceilingMHz")
+    per_model = {str(m): _bounds(b, f"{where}.gpuModels.{m}") for m, b in models.items()}
+    for model, bounds in per_model.items():
+        merged = bounds.merged_over(default)
+        if merged.floor_mhz is not None and merged.ceiling_mhz is not None and merged.floor_mhz > merged.ceiling_mhz:
+            raise PolicyError(
+                f"{where}.gpuModels.{model}: floor {merged.floor_mhz} MHz exceeds ceiling "
+                f"{merged.ceiling_mhz} MHz once the default bounds fill the unset side"
+            )
+    return default, per_model
+
+
+def _energy_budgets(raw: Any) -> dict[str, float]:
+    where = "policy.namespaceEnergyBudgets"
+    if not isinstance(raw, Mapping):
+        raise PolicyError(f"{where}: must map namespace names to kilowatt-hours")
+    budgets = {}
+    for namespace, kwh in raw.items():
+        _check_namespace(namespace, f"{where}.{namespace}")
+        budget = _optional_positive(kwh, f"{where}.{namespace}")
+        if budget is None:
+            raise PolicyError(f"{where}.{namespace}: must be a number of kilowatt-hours > 0")
+        budgets[namespace] = budget
+    return budgets
+
+
+def _namespaces(raw: Any) -> frozenset[str]:
+    where = "policy.allowedNamespaces"
+    if not isinstance(raw, list):
+        raise PolicyError(f"{where}: must be a list of namespace names (empty allows every namespace)")
+    for i, namespace in enumerate(raw):
+        _check_namespace(namespace, f"{where}[{i}]")
+    return frozenset(raw)
+
+
+def _check_namespace(name: Any, where: str) -> None:
+    if not isinstance(name, str) or not _DNS_LABEL.match(name):
+        raise PolicyError(f"{where}: {name!r} is not a namespace name (lowercase DNS label, at most 63 characters)")
+
+
+# ---------------------------------------------------------------- checking a job
+
+
+def check_job(
+    policy: ClusterPolicy, namespace: str, spec: Any, *, namespace_used_kwh: float = 0.0
+) -> list[Violation]:
+    """Every way the job `spec` (a `kareus.spec.JobSpec`) in `namespace` breaks `policy`.
+
+    `namespace_used_kwh` is the energy the namespace's jobs already spent (the operator sums it
+    from job statuses); a job is refused when its namespace budget is used up or when its own
+    total-energy budget is larger than what is left.
+    """
+    violations = []
+    if not policy.namespace_allowed(namespace):
+        violations.append(Violation(
+            "allowedNamespaces",
+            f"namespace {namespace!r} may not run KareusJobs; allowed: {', '.join(sorted(policy.allowed_namespaces))}",
+        ))
+    objective = job_objective(policy, spec)
+    if objective.kind not in policy.allowed_objectives:
+        violations.append(Violation(
+            "allowedObjectives",
+            f"spec.objective.{objective.kind} is not allowed on this cluster; "
+            f"allowed: {', '.join(o for o in OBJECTIVES if o in policy.allowed_objectives)}",
+        ))
+    limit = policy.max_slowdown_percent
+    if limit is not None and objective.max_slowdown_percent is not None and objective.max_slowdown_percent > limit:
+        violations.append(Violation(
+            "maxSlowdownPercent",
+            f"spec.objective.timeBudget.maxSlowdownPercent: {objective.max_slowdown_percent:g} exceeds the "
+            f"cluster limit of {limit:g}",
+        ))
+    violations.extend(_energy_violations(policy, namespace, objective, namespace_used_kwh))
+    return violations
+
+
+@dataclass(frozen=True)
+class JobObjective:
+    """The part of a job's objective the policy looks at."""
+
+    kind: str
+    max_slowdown_percent: float | None = None
+    total_kwh: float | None = None
+
+
+def job_objective(policy: ClusterPolicy, spec: Any) -> JobObjective:
+    """The job's objective, or the policy's default objective when the job names none."""
+    objective = getattr(spec, "objective", None)
+    if objective is None:
+        return JobObjective(policy.default_objective)
+    return JobObjective(
+        kind=objective.kind,
+        max_slowdown_percent=getattr(objective, "max_slowdown_percent", None),
+        total_kwh=getattr(objective, "total_kilowatt_hours", None),
+    )
+
+
+def _energy_violations(
+    policy: ClusterPolicy, namespace: str, objective: JobObjective, used_kwh: float
+) -> list[Violation]:
+    budget = policy.energy_budget_kwh(namespace)
+    if budget is None:
+        return []
+    left_kwh = budget - used_kwh
+    if left_kwh <= 0:
+        return [Violation(
+            "namespaceEnergyBudgets",
+            f"namespace {namespace!r} has used {used_kwh:g} kWh of its {budget:g} kWh energy budget",
+        )]
+    if objective.total_kwh is not None and objective.total_kwh > left_kwh:
+        return [Violation(
+            "namespaceEnergyBudgets",
+            f"spec.objective.energyBudget.totalKilowattHours: {objective.total_kwh:g} is more than the "
+            f"{left_kwh:g} kWh left of namespace {namespace!r}'s {budget:g} kWh budget",
+        )]
+    return []
