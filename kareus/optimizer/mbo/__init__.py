@@ -1,0 +1,1 @@
+"""Per-partition search: multi-pass multi-objective Bayesian optimisation and its baselines."""

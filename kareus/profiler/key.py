@@ -1,0 +1,78 @@
+"""The profile key: one name for "this job configuration measured on this GPU model".
+
+Two jobs with the same key can share a profile (the operator caches profiles by key), so the key
+covers everything a measurement depends on: the GPU model, the full model shape (not only its
+name: explicit shapes differ), the parallelism, the sequence length, the microbatch size,
+activation checkpointing and the Kareus version (a new simulator or profiler invalidates old
+profiles). The objective, the number of training steps and the profiling preset are not in it:
+they change what is chosen, not what is measured.
+
+The key is a readable prefix plus a 10-hex-digit hash of all of the above, lower case, at most 63
+characters and made of `[a-z0-9.-]`, so it is a valid Kubernetes label value and file name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict
+from typing import Any
+
+from kareus import __version__
+from kareus.profiler.document import JobDescriptor
+from kareus.workload.partitions import split_layers
+
+MAX_KEY_CHARS = 63
+_HASH_CHARS = 10
+_UNSAFE = re.compile(r"[^a-z0-9.-]+")
+
+
+def _spec_of(job: Any) -> Any:
+    """Accept a `KareusJob` (with `.spec`) or a `JobSpec`."""
+    return getattr(job, "spec", job)
+
+
+def describe_job(job: Any) -> JobDescriptor:
+    """The `JobDescriptor` of a `KareusJob` or `JobSpec`."""
+    spec = _spec_of(job)
+    par = spec.parallelism
+    shape = spec.model_shape()
+    return JobDescriptor(
+        model=shape.name,
+        tp=int(par.tensor),
+        cp=int(par.context),
+        pp=int(par.pipeline),
+        dp=int(par.data),
+        seq_len=int(spec.sequence_length),
+        micro_batch_size=int(par.micro_batch_size),
+        num_micro_batches=int(par.num_micro_batches),
+        activation_checkpointing=bool(getattr(par, "activation_checkpointing", True)),
+        stage_layers=tuple(split_layers(shape.num_layers, int(par.pipeline))),
+    )
+
+
+def gpu_label(product: str) -> str:
+    """A GPU product name in label form: `NVIDIA-A100-SXM4-40GB` → `a100-sxm4-40gb`."""
+    name = _UNSAFE.sub("-", product.lower()).strip("-.")
+    return name.removeprefix("nvidia-")
+
+
+def profile_key(job: Any, *, software_version: str = __version__) -> str:
+    """The stable, label-safe profile key of a `KareusJob` or `JobSpec`."""
+    spec = _spec_of(job)
+    descriptor = describe_job(spec)
+    gpu = gpu_label(str(spec.gpu_product))
+    identity = {
+        "gpu": gpu,
+        "shape": asdict(spec.model_shape()),
+        "job": asdict(descriptor),
+        "version": software_version,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:_HASH_CHARS]
+    readable = (
+        f"{descriptor.model}-{gpu}-tp{descriptor.tp}cp{descriptor.cp}pp{descriptor.pp}"
+        f"-s{descriptor.seq_len}-b{descriptor.micro_batch_size}"
+    )
+    readable = _UNSAFE.sub("-", readable.lower())[: MAX_KEY_CHARS - _HASH_CHARS - 1].strip("-.")
+    return f"{readable}-{digest}" if readable else digest
