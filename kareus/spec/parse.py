@@ -1,0 +1,429 @@
+"""Parsing and validating KareusJob manifests into `kareus.spec.types` values.
+
+Validation happens in two passes, both collecting every error: field by field (types, bounds,
+enumerations, unknown fields — what the CRD's OpenAPI schema says), then across fields (what the
+CRD's CEL rules say: exactly one objective, parallelism product equals GPUs, heads divisible by
+tensor parallelism, sequence divisible by context parallelism, even microbatches for nanobatching).
+Cross-field checks run only over fields that passed the first pass, so one mistake gives one error.
+The bounds below are mirrored in `crds/kareusjob.yaml`; `tests/test_crd_agreement.py` checks that
+the two accept and reject the same manifests.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kareus.spec.fields import FieldError, Fields, SpecError, describe, is_integer, parse_rfc3339
+from kareus.spec.types import (
+    DEFAULT_GPU_PRODUCT,
+    EXPLICIT_REQUIRED,
+    SHAPE_FIELDS,
+    EnergyBudget,
+    EnvVar,
+    JobSpec,
+    KareusJob,
+    MaxThroughput,
+    ModelSpec,
+    Objective,
+    ParallelismSpec,
+    ProfilingSpec,
+    ResourcesSpec,
+    TimeBudget,
+    TrainingSpec,
+)
+from kareus.workload.models import PRESETS
+
+MAX_NAME_LENGTH = 40  # children get suffixes such as `-optimize` and pod hashes; 63 is the label limit
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+DOMAIN_PATH = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)*[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+QUANTITY = re.compile(r"[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?")
+
+MAX_INT32 = 2**31 - 1
+# Upper bounds keep CEL arithmetic far from overflow and catch unit mistakes (seconds vs. ms).
+MODEL_BOUNDS = {"layers": 1024, "hidden": 1 << 20, "ffnHidden": 1 << 22, "heads": 4096, "kvHeads": 4096,
+                "headDim": 4096, "vocab": 1 << 24}
+MAX_SEQUENCE_LENGTH = 1 << 20
+MAX_DEGREE = 4096
+MAX_MICRO_BATCH_SIZE = 4096
+MAX_NUM_MICRO_BATCHES = 65536
+MAX_STEPS = 10**9
+MAX_GPUS_PER_NODE = 64
+MAX_NODES = 10000
+MAX_BACKOFF_LIMIT = 1000
+OBJECTIVE_BOUNDS = {"maxSlowdownPercent": 1000.0, "iterationSeconds": 1e6, "perIterationJoules": 1e12,
+                    "totalKilowattHours": 1e9}
+MAX_MEASUREMENT_SECONDS = 3600.0
+PROFILING_PRESETS = ("default", "paper")
+PROFILING_BACKENDS = ("auto", "sim", "nvml")
+OBJECTIVE_KINDS = ("maxThroughput", "timeBudget", "energyBudget")
+TIME_BUDGET_FORMS = ("maxSlowdownPercent", "iterationSeconds", "deadline")
+ENERGY_BUDGET_FORMS = ("perIterationJoules", "totalKilowattHours")
+
+
+def load_job(path: str | Path) -> KareusJob:
+    """Read and validate the KareusJob manifest at `path` (YAML, one document)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError([FieldError(str(path), "no such file")]) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecError([FieldError(str(path), f"cannot read: {error}")]) from None
+    try:
+        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.YAMLError as error:
+        raise SpecError([FieldError(str(path), f"not valid YAML: {_yaml_problem(error)}")]) from None
+    if len(documents) != 1:
+        raise SpecError([FieldError(str(path), f"must hold exactly one YAML document, found {len(documents)}")])
+    return parse_job(documents[0])
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
+
+
+def parse_job(manifest: Any) -> KareusJob:
+    """Validate a whole manifest (apiVersion, kind, metadata, spec); `status` is ignored."""
+    errors: list[FieldError] = []
+    job = _read_job(manifest, errors)
+    if errors or job is None:
+        raise SpecError(errors)
+    return job
+
+
+def parse_spec(spec: Any, path: str = "spec") -> JobSpec:
+    """Validate the `spec` part alone; returns a `JobSpec`."""
+    errors: list[FieldError] = []
+    result = _read_spec(spec, path, errors)
+    if errors or result is None:
+        raise SpecError(errors)
+    return result
+
+
+def validation_errors(manifest: Any) -> list[FieldError]:
+    """Every problem with `manifest`; empty when it is a valid KareusJob."""
+    errors: list[FieldError] = []
+    _read_job(manifest, errors)
+    return errors
+
+
+def _read_job(manifest: Any, errors: list[FieldError]) -> KareusJob | None:
+    top = Fields.of(manifest, "", errors)
+    if top is None:
+        return None
+    top.string("apiVersion", max_length=64, choices=(KareusJob.API_VERSION,))
+    top.string("kind", max_length=64, choices=(KareusJob.KIND,))
+    top.has("status")  # written by the operator; not part of what a user asks for
+    meta = top.mapping("metadata", required=True)
+    spec_value = top.data.get("spec")
+    top.has("spec")
+    top.finish()
+    identity = _read_metadata(meta) if meta is not None else None
+    if spec_value is None:
+        errors.append(FieldError("spec", "required field is missing"))
+        return None
+    spec = _read_spec(spec_value, "spec", errors)
+    if identity is None or spec is None:
+        return None
+    name, namespace, labels, annotations = identity
+    return KareusJob(name=name, namespace=namespace, labels=labels, annotations=annotations, spec=spec)
+
+
+def _read_metadata(meta: Fields) -> tuple[str, str, dict[str, str], dict[str, str]] | None:
+    """Name and namespace checked here; other metadata (uid, resourceVersion, …) is the server's."""
+    name = meta.string("name", max_length=MAX_NAME_LENGTH, pattern=DNS_LABEL,
+                       hint=" (a DNS-1123 label: lower-case letters, digits and '-')")
+    namespace = meta.string("namespace", "default", max_length=63, pattern=DNS_LABEL)
+    labels = _string_map(meta, "labels")
+    annotations = _string_map(meta, "annotations")
+    if None in (name, namespace, labels, annotations):
+        return None
+    return name, namespace, labels, annotations
+
+
+def _string_map(fields: Fields, key: str) -> dict[str, str] | None:
+    value = fields.data.get(key, {})
+    fields.has(key)
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in value.items()):
+        fields.error(key, f"must map strings to strings, got {describe(value)}")
+        return None
+    return dict(value)
+
+
+def _read_spec(value: Any, path: str, errors: list[FieldError]) -> JobSpec | None:
+    spec = Fields.of(value, path, errors)
+    if spec is None:
+        return None
+    before = len(errors)
+    model = _read_model(spec.mapping("model", required=True))
+    sequence_length = spec.integer("sequenceLength", maximum=MAX_SEQUENCE_LENGTH)
+    parallelism = _read_parallelism(spec.mapping("parallelism", required=True))
+    objective = _read_objective(spec.mapping("objective", required=True))
+    training = _read_training(spec.mapping("training", required=True))
+    profiling = _read_profiling(spec.mapping("profiling"))
+    gpu = spec.mapping("gpu")
+    gpu_product = None
+    if gpu is not None:
+        gpu_product = gpu.string("product", DEFAULT_GPU_PRODUCT, max_length=63, pattern=LABEL_VALUE,
+                                 hint=" (a node label value such as NVIDIA-A100-SXM4-40GB)")
+        gpu.finish()
+    suspend = spec.boolean("suspend", False)
+    managed_by = spec.string("managedBy", None, max_length=63, pattern=DOMAIN_PATH,
+                             hint=" (a domain-prefixed path such as kareus.dev/operator)")
+    active_deadline = spec.integer("activeDeadlineSeconds", None, maximum=MAX_INT32)
+    ttl = spec.integer("ttlSecondsAfterFinished", None, minimum=0, maximum=MAX_INT32)
+    backoff_limit = spec.integer("backoffLimit", 3, minimum=0, maximum=MAX_BACKOFF_LIMIT)
+    spec.finish()
+    if len(errors) > before:
+        return None
+    job_spec = JobSpec(model=model, sequence_length=sequence_length, parallelism=parallelism,
+                       objective=objective, training=training, profiling=profiling, gpu_product=gpu_product,
+                       suspend=suspend, managed_by=managed_by, active_deadline_seconds=active_deadline,
+                       ttl_seconds_after_finished=ttl, backoff_limit=backoff_limit)
+    errors.extend(cross_field_errors(job_spec, path))
+    return None if len(errors) > before else job_spec
+
+
+def _read_model(model: Fields | None) -> ModelSpec | None:
+    if model is None:
+        return None
+    before = len(model.errors)
+    preset = model.string("preset", None, max_length=64, choices=sorted(PRESETS))
+    overrides: dict[str, int | bool] = {}
+    for key, _attr in SHAPE_FIELDS:
+        if key in ("qkNorm", "tiedEmbeddings"):
+            value = model.boolean(key, None)
+        else:
+            value = model.integer(key, None, maximum=MODEL_BOUNDS[key])
+        if value is not None:
+            overrides[key] = value
+    model.finish()
+    if len(model.errors) > before:
+        return None
+    if preset is None:
+        missing = [key for key in EXPLICIT_REQUIRED if key not in overrides]
+        if missing:
+            model.error(None, f"set preset (one of {', '.join(sorted(PRESETS))}) or an explicit shape; "
+                              f"missing {', '.join(missing)}")
+            return None
+    return ModelSpec(preset=preset, overrides=overrides)
+
+
+def _read_parallelism(par: Fields | None) -> ParallelismSpec | None:
+    if par is None:
+        return None
+    before = len(par.errors)
+    values = {
+        "tensor": par.integer("tensor", 1, maximum=MAX_DEGREE),
+        "pipeline": par.integer("pipeline", 1, maximum=MAX_DEGREE),
+        "context": par.integer("context", 1, maximum=MAX_DEGREE),
+        "data": par.integer("data", 1, maximum=MAX_DEGREE),
+        "micro_batch_size": par.integer("microBatchSize", maximum=MAX_MICRO_BATCH_SIZE),
+        "num_micro_batches": par.integer("numMicroBatches", maximum=MAX_NUM_MICRO_BATCHES),
+        "activation_checkpointing": par.boolean("activationCheckpointing", True),
+        "nanobatching": par.boolean("nanobatching", True),
+    }
+    par.finish()
+    return None if len(par.errors) > before else ParallelismSpec(**values)
+
+
+def _exactly_one(fields: Fields, names: tuple[str, ...], what: str) -> str | None:
+    present = [name for name in names if fields.has(name)]
+    nulls = [name for name in names if name in fields.null_keys]
+    if len(present) == 1:
+        return present[0]
+    got = ", ".join(present) if present else "none"
+    hint = f" (a bare `{nulls[0]}:` is null; write `{nulls[0]}: {{}}`)" if nulls and not present else ""
+    fields.error(None, f"must set exactly one {what} of {', '.join(names)}; got {got}{hint}")
+    return None
+
+
+def _read_objective(obj: Fields | None) -> Objective | None:
+    if obj is None:
+        return None
+    before = len(obj.errors)
+    kind = _exactly_one(obj, OBJECTIVE_KINDS, "objective")
+    result: Objective | None = None
+    if obj.has("maxThroughput"):
+        inner = obj.mapping("maxThroughput")
+        if inner is not None:
+            inner.finish()
+        result = MaxThroughput()
+    if obj.has("timeBudget"):
+        result = _read_time_budget(obj.mapping("timeBudget"))
+    if obj.has("energyBudget"):
+        result = _read_energy_budget(obj.mapping("energyBudget"))
+    obj.finish()
+    return result if kind is not None and len(obj.errors) == before else None
+
+
+def _budget_number(fields: Fields, key: str) -> float | None:
+    return fields.number(key, None, minimum=0.0, maximum=OBJECTIVE_BOUNDS[key], exclusive_minimum=True)
+
+
+def _read_time_budget(budget: Fields | None) -> TimeBudget | None:
+    if budget is None:
+        return None
+    _exactly_one(budget, TIME_BUDGET_FORMS, "time budget")
+    deadline = None
+    text = budget.string("deadline", None, max_length=64)
+    if text is not None:
+        deadline = parse_rfc3339(text)
+        if deadline is None:
+            budget.error("deadline", f"must be an RFC 3339 date-time such as 2027-01-01T00:00:00Z, got {text!r}")
+    result = TimeBudget(max_slowdown_percent=_budget_number(budget, "maxSlowdownPercent"),
+                        iteration_seconds=_budget_number(budget, "iterationSeconds"), deadline=deadline)
+    budget.finish()
+    return result
+
+
+def _read_energy_budget(budget: Fields | None) -> EnergyBudget | None:
+    if budget is None:
+        return None
+    _exactly_one(budget, ENERGY_BUDGET_FORMS, "energy budget")
+    result = EnergyBudget(per_iteration_joules=_budget_number(budget, "perIterationJoules"),
+                          total_kilowatt_hours=_budget_number(budget, "totalKilowattHours"))
+    budget.finish()
+    return result
+
+
+def _read_training(train: Fields | None) -> TrainingSpec | None:
+    if train is None:
+        return None
+    before = len(train.errors)
+    image = train.string("image", max_length=1024)
+    command = train.string_list("command", max_items=256, max_length=4096)
+    args = train.string_list("args", max_items=1024, max_length=4096)
+    steps = train.integer("steps", maximum=MAX_STEPS)
+    gpus_per_node = train.integer("gpusPerNode", maximum=MAX_GPUS_PER_NODE)
+    nodes = train.integer("nodes", maximum=MAX_NODES)
+    env = _read_env(train)
+    resources = _read_resources(train.mapping("resources")) if train.has("resources") else None
+    train.finish()
+    if len(train.errors) > before:
+        return None
+    return TrainingSpec(image=image, steps=steps, gpus_per_node=gpus_per_node, nodes=nodes, command=command,
+                        args=args, env=env, resources=resources)
+
+
+def _read_env(train: Fields) -> tuple[EnvVar, ...]:
+    value = train.data.get("env", [])
+    train.has("env")
+    if not isinstance(value, list) or len(value) > 128:
+        train.error("env", f"must be a list of at most 128 {{name, value}} objects, got {describe(value)}")
+        return ()
+    result: list[EnvVar] = []
+    seen: set[str] = set()
+    for index, item in enumerate(value):
+        var = Fields.of(item, f"{train.at('env')}[{index}]", train.errors)
+        if var is None:
+            continue
+        name = var.string("name", max_length=256, pattern=ENV_NAME)
+        text = var.data.get("value", "")
+        var.has("value")
+        if not isinstance(text, str) or len(text) > 32768:
+            var.error("value", f"must be a string of at most 32768 characters, got {describe(text)}")
+        var.finish()
+        if name is not None and name in seen:
+            var.error("name", f"duplicate environment variable {name!r}")
+        if name is not None:
+            seen.add(name)
+            result.append(EnvVar(name, text if isinstance(text, str) else ""))
+    return tuple(result)
+
+
+def _read_resources(res: Fields | None) -> ResourcesSpec | None:
+    if res is None:
+        return None
+    parts: dict[str, dict[str, str]] = {}
+    for key in ("requests", "limits"):
+        parts[key] = {}
+        section = res.mapping(key)
+        if section is None:
+            continue
+        for name in list(section.data):
+            quantity = section.data[name]
+            section.has(name)
+            if is_integer(quantity):
+                parts[key][name] = str(quantity)
+            elif isinstance(quantity, str) and QUANTITY.fullmatch(quantity):
+                parts[key][name] = quantity
+            else:
+                section.error(name, f"must be a Kubernetes quantity such as 8, 500m or 64Gi, got {describe(quantity)}")
+        if len(section.data) > 32:
+            section.error(None, "must list at most 32 resources")
+    res.finish()
+    return ResourcesSpec(**parts)
+
+
+def _read_profiling(prof: Fields | None) -> ProfilingSpec | None:
+    if prof is None:
+        return None
+    before = len(prof.errors)
+    values = {
+        "reuse": prof.boolean("reuse", True),
+        "measurement_seconds": prof.number("measurementSeconds", 5.0, minimum=0.0,
+                                           maximum=MAX_MEASUREMENT_SECONDS, exclusive_minimum=True),
+        "cooldown_seconds": prof.number("cooldownSeconds", 5.0, minimum=0.0, maximum=MAX_MEASUREMENT_SECONDS),
+        "preset": prof.string("preset", "default", max_length=16, choices=PROFILING_PRESETS),
+        "backend": prof.string("backend", "auto", max_length=16, choices=PROFILING_BACKENDS),
+    }
+    prof.finish()
+    return None if len(prof.errors) > before else ProfilingSpec(**values)
+
+
+def cross_field_errors(spec: JobSpec, path: str = "spec") -> list[FieldError]:
+    """The CEL rules of the CRD, over a `JobSpec` whose fields are individually valid."""
+    errors: list[FieldError] = []
+    par = spec.parallelism
+    shape = spec.model_shape()
+    model_path = f"{path}.model"
+    if shape.num_heads % shape.num_kv_heads:
+        errors.append(FieldError(f"{model_path}.kvHeads", f"heads ({shape.num_heads}) must be a multiple of "
+                                 f"kvHeads ({shape.num_kv_heads}) for grouped-query attention"))
+    if spec.model.preset is None and "headDim" not in spec.model.overrides and shape.hidden_size % shape.num_heads:
+        errors.append(FieldError(f"{model_path}.headDim", f"required when hidden ({shape.hidden_size}) is not "
+                                 f"divisible by heads ({shape.num_heads})"))
+    if shape.num_heads % par.tensor:
+        errors.append(FieldError(f"{path}.parallelism.tensor", f"must divide the number of attention heads "
+                                 f"({shape.num_heads}), got {par.tensor}"))
+    if shape.num_kv_heads % par.tensor:
+        errors.append(FieldError(f"{path}.parallelism.tensor", f"must divide kvHeads ({shape.num_kv_heads}): "
+                                 f"each tensor-parallel rank holds whole key/value heads, got {par.tensor}"))
+    if shape.num_layers < par.pipeline:
+        errors.append(FieldError(f"{path}.parallelism.pipeline", f"must be at most the number of layers "
+                                 f"({shape.num_layers}), got {par.pipeline}"))
+    if par.nanobatching and (par.micro_batch_size < 2 or par.micro_batch_size % 2):
+        errors.append(FieldError(f"{path}.parallelism.microBatchSize", "must be even and >= 2 when "
+                                 f"nanobatching is on (two equal nanobatches), got {par.micro_batch_size}"))
+    chunks = 1 if par.context == 1 else 2 * par.context
+    if spec.sequence_length % chunks:
+        errors.append(FieldError(f"{path}.sequenceLength", f"must be divisible by {chunks} (2 × context "
+                                 "parallelism, for load-balanced context parallel chunks), "
+                                 f"got {spec.sequence_length}"))
+    if par.world_size != spec.num_gpus:
+        errors.append(FieldError(f"{path}.parallelism", f"tensor × pipeline × context × data = {par.world_size} "
+                                 f"must equal training.nodes × training.gpusPerNode = {spec.num_gpus}"))
+    return errors
+
+
+def immutable_changes(old: JobSpec, new: JobSpec, path: str = "spec") -> list[FieldError]:
+    """Fields changed between two `JobSpec`s that may not change once training started.
+
+    Only `objective` (re-selects a plan from the stored frontier) and `suspend` may change; the CRD
+    enforces the same with a transition rule keyed on `status.trainingStartTime`.
+    """
+    before, after = old.to_dict(), new.to_dict()
+    keys = sorted((set(before) | set(after)) - {"objective", "suspend"})
+    return [FieldError(f"{path}.{key}", "is immutable once training started (only objective and suspend "
+                       "may change)") for key in keys if before.get(key) != after.get(key)]

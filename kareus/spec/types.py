@@ -1,0 +1,281 @@
+"""The KareusJob specification as typed values (DESIGN.md §4).
+
+A `KareusJob` is a manifest's metadata plus a `JobSpec`: which model (a preset or an explicit
+Llama-style shape), how it is split over GPUs (tensor × context × pipeline × data parallel, with
+microbatches split into two nanobatches), what to optimise for (exactly one objective: maximum
+throughput, a time budget or an energy budget), how the training pods run, how profiling measures,
+and the Kubernetes job conventions (suspend, managedBy, deadlines, TTL, backoff).
+
+Values are frozen dataclasses; `to_dict()` gives back the camelCase manifest form with every
+default filled in, and parsing that form yields an equal object (round trip). Parsing and
+validation live in `kareus.spec.parse`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any, ClassVar
+
+from kareus.workload.models import ModelShape, get_preset
+
+DEFAULT_GPU_PRODUCT = "A100-SXM4-40GB"
+DEFAULT_MANAGED_BY = "kareus.dev/operator"
+
+# Explicit shape fields: (manifest name, ModelShape attribute).
+SHAPE_FIELDS: tuple[tuple[str, str], ...] = (
+    ("layers", "num_layers"),
+    ("hidden", "hidden_size"),
+    ("ffnHidden", "ffn_hidden_size"),
+    ("heads", "num_heads"),
+    ("kvHeads", "num_kv_heads"),
+    ("headDim", "head_dim"),
+    ("vocab", "vocab_size"),
+    ("qkNorm", "qk_norm"),
+    ("tiedEmbeddings", "tied_embeddings"),
+)
+# What an explicit shape must give when there is no preset to start from.
+EXPLICIT_REQUIRED = ("layers", "hidden", "ffnHidden", "heads", "kvHeads", "vocab")
+
+
+def _drop_none(mapping: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in mapping.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A preset name, an explicit shape, or a preset with some dimensions overridden.
+
+    `overrides` maps manifest field names (`layers`, `hidden`, …) to values; with a preset they
+    replace the preset's dimensions, without one they are the whole shape (`headDim` defaults to
+    hidden / heads, `qkNorm` and `tiedEmbeddings` to false).
+    """
+
+    preset: str | None = None
+    overrides: dict[str, int | bool] = field(default_factory=dict)
+
+    def shape(self) -> ModelShape:
+        values = dict(self.overrides)
+        if self.preset is not None:
+            base = get_preset(self.preset)
+            name = self.preset if not values else f"{self.preset}-custom"
+        else:
+            values.setdefault("headDim", values["hidden"] // values["heads"])
+            base = ModelShape("custom", 1, 1, 1, 1, 1, 1, 1)
+            name = "custom"
+        attrs = dict(SHAPE_FIELDS)
+        return replace(base, name=name, **{attrs[key]: value for key, value in values.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({"preset": self.preset}) | dict(self.overrides)
+
+
+@dataclass(frozen=True)
+class ParallelismSpec:
+    """How the model is split: degrees of each parallelism and the pipeline's microbatches."""
+
+    tensor: int
+    pipeline: int
+    context: int
+    data: int
+    micro_batch_size: int
+    num_micro_batches: int
+    activation_checkpointing: bool = True
+    nanobatching: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.context * self.data
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per iteration over all data-parallel replicas."""
+        return self.micro_batch_size * self.num_micro_batches * self.data
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor, "pipeline": self.pipeline, "context": self.context, "data": self.data,
+            "microBatchSize": self.micro_batch_size, "numMicroBatches": self.num_micro_batches,
+            "activationCheckpointing": self.activation_checkpointing, "nanobatching": self.nanobatching,
+        }
+
+
+@dataclass(frozen=True)
+class MaxThroughput:
+    """Run at the fastest point of the iteration frontier."""
+
+    kind: ClassVar[str] = "maxThroughput"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.kind: {}}
+
+
+@dataclass(frozen=True)
+class TimeBudget:
+    """The least-energy plan within a time budget; exactly one of the three forms is set.
+
+    `max_slowdown_percent`: iteration time at most this much above the fastest plan's;
+    `iteration_seconds`: an absolute per-iteration time; `deadline`: finish all steps by then.
+    """
+
+    kind: ClassVar[str] = "timeBudget"
+    max_slowdown_percent: float | None = None
+    iteration_seconds: float | None = None
+    deadline: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        deadline = self.deadline.isoformat().replace("+00:00", "Z") if self.deadline else None
+        return {self.kind: _drop_none({"maxSlowdownPercent": self.max_slowdown_percent,
+                                       "iterationSeconds": self.iteration_seconds, "deadline": deadline})}
+
+
+@dataclass(frozen=True)
+class EnergyBudget:
+    """The fastest plan within an energy budget; exactly one of the two forms is set.
+
+    `per_iteration_joules`: all GPUs together per iteration; `total_kilowatt_hours`: the whole run.
+    """
+
+    kind: ClassVar[str] = "energyBudget"
+    per_iteration_joules: float | None = None
+    total_kilowatt_hours: float | None = None
+
+    @property
+    def total_joules(self) -> float | None:
+        return None if self.total_kilowatt_hours is None else self.total_kilowatt_hours * 3.6e6
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.kind: _drop_none({"perIterationJoules": self.per_iteration_joules,
+                                       "totalKilowattHours": self.total_kilowatt_hours})}
+
+
+Objective = MaxThroughput | TimeBudget | EnergyBudget
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    value: str
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    """Container resources per training pod, Kubernetes quantities as strings (`"8"`, `"64Gi"`)."""
+
+    requests: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: dict(value) for key, value in (("requests", self.requests), ("limits", self.limits))
+                if value}
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """The training pods: one per node, each with `gpus_per_node` GPUs, running `steps` iterations."""
+
+    image: str
+    steps: int
+    gpus_per_node: int
+    nodes: int
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    env: tuple[EnvVar, ...] = ()
+    resources: ResourcesSpec | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"image": self.image}
+        if self.command:
+            out["command"] = list(self.command)
+        if self.args:
+            out["args"] = list(self.args)
+        out |= {"steps": self.steps, "gpusPerNode": self.gpus_per_node, "nodes": self.nodes}
+        if self.env:
+            out["env"] = [{"name": var.name, "value": var.value} for var in self.env]
+        if self.resources is not None:
+            out["resources"] = self.resources.to_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class ProfilingSpec:
+    """How partitions are measured: cache reuse, measurement window, search preset, GPU backend."""
+
+    reuse: bool = True
+    measurement_seconds: float = 5.0
+    cooldown_seconds: float = 5.0
+    preset: str = "default"
+    backend: str = "auto"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reuse": self.reuse, "measurementSeconds": self.measurement_seconds,
+                "cooldownSeconds": self.cooldown_seconds, "preset": self.preset, "backend": self.backend}
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a KareusJob asks for; see the module docstring and docs/kareusjob.md."""
+
+    model: ModelSpec
+    sequence_length: int
+    parallelism: ParallelismSpec
+    objective: Objective
+    training: TrainingSpec
+    profiling: ProfilingSpec = ProfilingSpec()
+    gpu_product: str = DEFAULT_GPU_PRODUCT
+    suspend: bool = False
+    managed_by: str | None = None
+    active_deadline_seconds: int | None = None
+    ttl_seconds_after_finished: int | None = None
+    backoff_limit: int = 3
+
+    @property
+    def num_gpus(self) -> int:
+        return self.training.nodes * self.training.gpus_per_node
+
+    @property
+    def managed_by_kareus(self) -> bool:
+        """Whether the Kareus operator reconciles this job (an external controller may own it)."""
+        return self.managed_by in (None, DEFAULT_MANAGED_BY)
+
+    def model_shape(self) -> ModelShape:
+        return self.model.shape()
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({
+            "model": self.model.to_dict(),
+            "sequenceLength": self.sequence_length,
+            "parallelism": self.parallelism.to_dict(),
+            "objective": self.objective.to_dict(),
+            "training": self.training.to_dict(),
+            "profiling": self.profiling.to_dict(),
+            "gpu": {"product": self.gpu_product},
+            "suspend": self.suspend,
+            "managedBy": self.managed_by,
+            "activeDeadlineSeconds": self.active_deadline_seconds,
+            "ttlSecondsAfterFinished": self.ttl_seconds_after_finished,
+            "backoffLimit": self.backoff_limit,
+        })
+
+
+@dataclass(frozen=True)
+class KareusJob:
+    """A KareusJob manifest: identity (name, namespace, labels, annotations) and its `spec`."""
+
+    API_VERSION: ClassVar[str] = "kareus.dev/v1alpha1"
+    KIND: ClassVar[str] = "KareusJob"
+
+    name: str
+    spec: JobSpec
+    namespace: str = "default"
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        if self.labels:
+            metadata["labels"] = dict(self.labels)
+        if self.annotations:
+            metadata["annotations"] = dict(self.annotations)
+        return {"apiVersion": self.API_VERSION, "kind": self.KIND, "metadata": metadata,
+                "spec": self.spec.to_dict()}
