@@ -26,11 +26,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from kareus.errors import KareusError
+
+if TYPE_CHECKING:
+    from kareus.spec import JobSpec
 
 POLICY_CONFIGMAP_KEY = "policy.yaml"
 OBJECTIVES: tuple[str, ...] = ("maxThroughput", "timeBudget", "energyBudget")
@@ -288,7 +291,7 @@ def _check_namespace(name: Any, where: str) -> None:
 
 
 def check_job(
-    policy: ClusterPolicy, namespace: str, spec: Any, *, namespace_used_kwh: float = 0.0
+    policy: ClusterPolicy, namespace: str, spec: JobSpec, *, namespace_used_kwh: float = 0.0
 ) -> list[Violation]:
     """Every way the job `spec` (a `kareus.spec.JobSpec`) in `namespace` breaks `policy`.
 
@@ -329,7 +332,7 @@ class JobObjective:
     total_kwh: float | None = None
 
 
-def job_objective(policy: ClusterPolicy, spec: Any) -> JobObjective:
+def job_objective(policy: ClusterPolicy, spec: JobSpec) -> JobObjective:
     """The job's objective, or the policy's default objective when the job names none."""
     objective = getattr(spec, "objective", None)
     if objective is None:
