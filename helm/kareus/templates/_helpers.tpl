@@ -1,0 +1,210 @@
+{{/*
+Names and labels shared by every template. Labels follow the Kubernetes recommended labels
+(app.kubernetes.io/*); selector labels are the stable subset that never changes on upgrade.
+*/}}
+
+{{- define "kareus.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kareus.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kareus.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels of every object; call with (dict "ctx" $ "component" "operator"). */}}
+{{- define "kareus.labels" -}}
+helm.sh/chart: {{ include "kareus.chart" .ctx }}
+{{ include "kareus.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: kareus
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "kareus.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kareus.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "kareus.operator.fullname" -}}
+{{- printf "%s-operator" (include "kareus.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kareus.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create -}}
+{{- default (include "kareus.operator.fullname" .) .Values.operator.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.operator.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kareus.nodeAgent.fullname" -}}
+{{- printf "%s-node-agent" (include "kareus.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kareus.nodeAgent.namespace" -}}
+{{- .Values.nodeAgent.namespace.name -}}
+{{- end -}}
+
+{{- define "kareus.nodeAgent.serviceAccountName" -}}
+{{- if .Values.nodeAgent.serviceAccount.create -}}
+{{- default (include "kareus.nodeAgent.fullname" .) .Values.nodeAgent.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.nodeAgent.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kareus.policy.configMapName" -}}
+{{- printf "%s-policy" (include "kareus.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* image: (dict "image" .Values.operator.image "ctx" $) */}}
+{{- define "kareus.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+
+{{/* The policy document exactly as the operator and the node agent read it (kareus.policy). */}}
+{{- define "kareus.policy.document" -}}
+{{ toYaml .Values.policy }}
+{{- end -}}
+
+{{/* What the operator does in a namespace it watches: its CRD, the phase Jobs, Services and
+ConfigMaps it owns, Events it reports, and pods it only reads. */}}
+{{- define "kareus.operator.rules" -}}
+- apiGroups: ["kareus.dev"]
+  resources: ["kareusjobs"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["kareus.dev"]
+  resources: ["kareusjobs/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["kareus.dev"]
+  resources: ["kareusjobs/finalizers"]
+  verbs: ["update"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch"]
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch", "update"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}
+
+{{/* `kareus-operator` flags, rendered from operator.args only (keep them aligned here). */}}
+{{- define "kareus.operator.args" -}}
+{{- $args := .Values.operator.args -}}
+{{- if $args.watchNamespaces }}
+{{- range $args.watchNamespaces }}
+- --namespace={{ . }}
+{{- end }}
+{{- else }}
+- --all-namespaces
+{{- end }}
+- --policy-file=/etc/kareus/policy/policy.yaml
+- --log-format={{ $args.logFormat }}
+- --log-level={{ $args.logLevel }}
+- --metrics-port={{ $args.metricsPort }}
+- --liveness=http://0.0.0.0:{{ $args.healthPort }}/healthz
+{{- range $args.extra }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Container securityContext of the node agent for nodeAgent.securityMode. */}}
+{{- define "kareus.nodeAgent.securityContext" -}}
+{{- if eq .Values.nodeAgent.securityMode "privileged" }}
+privileged: true
+runAsUser: 0
+readOnlyRootFilesystem: true
+{{- else }}
+# Only CAP_SYS_ADMIN (NVML clock locking); root without the other capabilities.
+privileged: false
+allowPrivilegeEscalation: false
+runAsUser: 0
+readOnlyRootFilesystem: true
+capabilities:
+  drop:
+    - ALL
+  add:
+    - SYS_ADMIN
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+{{- end -}}
+
+{{/* The node agent's config file (kareus_node.config.load_config). clockBounds and allowedNamespaces
+come from the cluster policy, so the operator's plans and the agent's refusals use the same limits. */}}
+{{- define "kareus.nodeAgent.config" -}}
+{{- $agent := .Values.nodeAgent -}}
+dryRun: {{ $agent.dryRun }}
+allowedNamespaces:
+  {{- toYaml .Values.policy.allowedNamespaces | nindent 2 }}
+clockBounds:
+  {{- toYaml .Values.policy.clockBounds | nindent 2 }}
+{{- with $agent.limits }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "kareus.nodeAgent.args" -}}
+- --config=/etc/kareus-node/config.yaml
+- --node-name=$(NODE_NAME)
+{{- range .Values.nodeAgent.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Put every GPU this agent owns back to default clocks before the container stops. */}}
+{{- define "kareus.nodeAgent.preStop" -}}
+- kareus-node
+- reset
+- --config=/etc/kareus-node/config.yaml
+{{- end -}}
+
+{{- define "kareus.nodeAgent.probes" -}}
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: metrics
+  initialDelaySeconds: 10
+  periodSeconds: 20
+readinessProbe:
+  httpGet:
+    path: /healthz
+    port: metrics
+  periodSeconds: 10
+{{- end -}}
+
+{{/* The label the operator puts on every child pod of a KareusJob (its value is the job name). */}}
+{{- define "kareus.trainingPodJobLabel" -}}
+kareus.dev/job-name
+{{- end -}}
+
+{{/* A label map as "k1=v1, k2=v2" for messages. */}}
+{{- define "kareus.labelList" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join ", " $pairs -}}
+{{- end -}}
