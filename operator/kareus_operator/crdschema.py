@@ -93,8 +93,11 @@ def apply_defaults(schema: dict, obj: Any) -> Any:
     """A copy of `obj` with the schema's defaults filled in where fields are absent (recursively).
 
     As the server: a default fills an absent field of an object that exists, and defaults inside
-    a defaulted value apply too (`profiling: {}` gets `reuse: true`, …).
+    a defaulted value apply too (`profiling: {}` gets `reuse: true`, …). Given a whole CRD instead
+    of a schema, does what the server does on write: picks the version and prunes nulls first.
     """
+    if schema.get("kind") == "CustomResourceDefinition":
+        return prepare(schema, obj)
     if isinstance(obj, dict):
         out = dict(obj)
         for key, sub in (schema.get("properties") or {}).items():
@@ -387,6 +390,8 @@ def validate_object(crd: dict, obj: dict, old: dict | None = None) -> list[str]:
 
 def prepare(crd: dict, obj: dict) -> dict:
     """`obj` as the server would store it: nulls pruned, defaults applied (a copy)."""
+    if not isinstance(obj, dict):
+        return obj
     version = served_version(crd, obj.get("apiVersion")) if isinstance(obj, dict) else None
     schema = version["schema"]["openAPIV3Schema"] if version else version_schema(crd)
     return apply_defaults(schema, prune_nulls(schema, obj))
