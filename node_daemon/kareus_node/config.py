@@ -1,0 +1,99 @@
+"""The node daemon's policy file (`--config`), rendered by Helm into a ConfigMap and mounted.
+
+The file is YAML; every key is optional and an unknown key is an error naming it::
+
+    dryRun: false                 # observe only: measure and export, never change a clock
+    allowedNamespaces: []         # pods in other namespaces are refused (empty: every namespace)
+    clockBounds:                  # the same shape as the cluster policy's clockBounds
+      default: {floorMHz: 900, ceilingMHz: 1980}
+      gpuModels:
+        NVIDIA-A100-SXM4-40GB: {floorMHz: 1005, ceilingMHz: 1410}
+    podRecheckSeconds: 5          # how often leases are re-checked against the kubelet
+    maxConnections: 64            # more concurrent clients are turned away
+    requestTimeoutSeconds: 5      # a frame must arrive completely within this
+    maxScheduleLength: 4096       # entries in one uploaded clock schedule
+
+`clockBounds` and `allowedNamespaces` are parsed by `kareus.policy`, so the operator (which keeps
+plans inside the same bounds) and the daemon (which refuses anything outside) cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kareus.errors import KareusError
+from kareus.policy import ClusterPolicy, PolicyError, load_policy
+
+_POLICY_KEYS = ("clockBounds", "allowedNamespaces")
+_LIMIT_KEYS = {
+    "podRecheckSeconds": ("pod_recheck_s", float),
+    "maxConnections": ("max_connections", int),
+    "requestTimeoutSeconds": ("request_timeout_s", float),
+    "maxScheduleLength": ("max_schedule_length", int),
+}
+_KEYS = frozenset({"dryRun", *_POLICY_KEYS, *_LIMIT_KEYS})
+
+
+class ConfigError(KareusError):
+    """The daemon's config file is malformed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What the daemon enforces. The defaults are what an absent file means."""
+
+    dry_run: bool = False
+    policy: ClusterPolicy = field(default_factory=ClusterPolicy)
+    pod_recheck_s: float = 5.0
+    max_connections: int = 64
+    request_timeout_s: float = 5.0
+    max_schedule_length: int = 4096
+
+    def namespace_allowed(self, namespace: str) -> bool:
+        return self.policy.namespace_allowed(namespace)
+
+
+def load_config(path: str | Path | None) -> NodeConfig:
+    """Read the config file; None gives the defaults."""
+    if path is None:
+        return NodeConfig()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"config file {path}: cannot be read ({error.strerror or error})") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path}: not valid YAML ({error})") from None
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: Any, *, source: str = "config") -> NodeConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: must be a mapping of settings, got {type(raw).__name__}")
+    unknown = sorted(str(k) for k in raw if k not in _KEYS)
+    if unknown:
+        raise ConfigError(f"{source}: {unknown[0]}: unknown key; allowed keys are {', '.join(sorted(_KEYS))}")
+    dry_run = raw.get("dryRun", False)
+    if not isinstance(dry_run, bool):
+        raise ConfigError(f"{source}: dryRun: must be true or false, got {dry_run!r}")
+    try:
+        policy = load_policy({key: raw[key] for key in _POLICY_KEYS if key in raw})
+    except PolicyError as error:
+        raise ConfigError(f"{source}: {error}") from None
+    limits = {attr: _positive(raw[key], kind, f"{source}: {key}") for key, (attr, kind) in _LIMIT_KEYS.items() if key in raw}
+    return NodeConfig(dry_run=dry_run, policy=policy, **limits)
+
+
+def _positive(value: Any, kind: type, where: str) -> Any:
+    ok_type = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok_type or not math.isfinite(value) or value <= 0:
+        noun = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"{where}: must be {noun} > 0, got {value!r}")
+    return kind(value)

@@ -1,0 +1,56 @@
+"""Who is calling: the kernel-vouched credentials of a Unix-socket peer and the pod it runs in.
+
+`peer_credentials` asks the kernel (SO_PEERCRED) for the pid, uid and gid of the process that
+connected; a client cannot lie about them. `pod_uid_of(pid)` reads `/proc/<pid>/cgroup` (below a
+configurable proc root, so tests can supply a fake one) and finds the pod UID in the kubelet's
+cgroup naming, which comes in several spellings:
+
+- cgroupfs driver:  ``/kubepods/burstable/pod1b2c…-…/<container>``
+- systemd driver:   ``/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1b2c…_…_….slice/cri-containerd-….scope``
+  (the UID's dashes become underscores there)
+
+in cgroup v1 files (one line per controller) and v2 (one ``0::`` line). A process whose lines
+name no pod, or two different pods, has no pod identity.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+_UCRED = struct.Struct("3i")
+_POD_UID = re.compile(
+    r"kubepods.*?pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})(?:\.slice|/|$)"
+)
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    """The connecting process as the kernel saw it at connect time."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return PeerCredentials(*_UCRED.unpack(raw))
+
+
+def pod_uid_from_cgroup(text: str) -> str | None:
+    """The pod UID named by a `/proc/<pid>/cgroup` file's content; None if none or ambiguous."""
+    uids = {match.group(1).replace("_", "-") for match in _POD_UID.finditer(text)}
+    return uids.pop() if len(uids) == 1 else None
+
+
+def pod_uid_of(pid: int, *, proc_root: str | Path = "/proc") -> str | None:
+    """The pod UID of process `pid`; None when it is gone or not in a pod."""
+    try:
+        text = (Path(proc_root) / str(pid) / "cgroup").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return pod_uid_from_cgroup(text)

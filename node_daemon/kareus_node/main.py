@@ -1,0 +1,163 @@
+"""`kareus-node`: the command line of the node daemon.
+
+Wires the parts together — GPUs from `kareus.gpu` (NVML, or simulated with `--backend sim`), an
+authorizer (the kubelet's view, or `--standalone` with an allow-list), the journal in
+`--state-dir`, the policy file, the metrics endpoint — restores what a previous instance left
+locked, then serves until SIGTERM/SIGINT, when it resets every GPU it still holds.
+Once serving it prints one line: ``kareus-node: serving socket=… metrics=http://host:port …``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kareus.errors import KareusError
+from kareus.gpu import BACKENDS, discover
+from kareus_node.auth import Authorizer, KubeletAuthorizer, StandaloneAuthorizer, load_allow_list
+from kareus_node.config import NodeConfig, load_config
+from kareus_node.journal import Journal, JournalError
+from kareus_node.metrics import DaemonMetrics, serve_http
+from kareus_node.podresources import DEFAULT_SOCKET, PodResourcesClient
+from kareus_node.pods import PodDirectory, in_cluster_api_url
+from kareus_node.server import Daemon
+
+log = logging.getLogger("kareus_node")
+
+DEFAULT_DAEMON_SOCKET = "/run/kareus/node.sock"
+DEFAULT_STATE_DIR = "/var/lib/kareus-node"
+DEFAULT_METRICS_PORT = 9402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kareus-node", description="Kareus node daemon: authorised GPU clock control and GPU metrics.")
+    parser.add_argument("--socket", default=DEFAULT_DAEMON_SOCKET, help="Unix socket of the local API")
+    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="where the lease journal lives (hostPath)")
+    parser.add_argument("--backend", choices=BACKENDS, default="nvml", help="GPU backend")
+    parser.add_argument("--sim-gpus", type=_positive_int, default=1, help="number of simulated GPUs (--backend sim)")
+    parser.add_argument("--sim-product", default="A100-SXM4-40GB", help="simulated GPU model (--backend sim)")
+    parser.add_argument("--sim-mig", default="", help="comma-separated indices of simulated GPUs with MIG enabled")
+    parser.add_argument("--standalone", action="store_true", help="no kubelet: authorise by uid/gid allow-list")
+    parser.add_argument("--allow-list", help="standalone allow-list file (default: only this daemon's uid, all GPUs)")
+    parser.add_argument("--config", help="policy file (YAML; see docs/node-daemon.md)")
+    parser.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname())
+    parser.add_argument("--dry-run", action="store_true", help="observe only: never change a clock")
+    parser.add_argument("--pod-resources-socket", default=DEFAULT_SOCKET, help="kubelet pod-resources socket")
+    parser.add_argument("--kube-api", default=None, help="API server URL (default: in-cluster)")
+    parser.add_argument("--proc-root", default="/proc", help="where to read /proc/<pid>/cgroup (hostPID)")
+    parser.add_argument("--metrics-address", default="0.0.0.0", help="address of the metrics endpoint")
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="0 picks a free port")
+    parser.add_argument("--log-format", choices=("json", "text"), default="text")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.log_format, args.log_level)
+    try:
+        return asyncio.run(_run(args))
+    except KareusError as error:
+        print(f"kareus-node: error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+async def _run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.dry_run:
+        config = dataclasses.replace(config, dry_run=True)
+    gpus = _open_gpus(args)
+    try:
+        journal = Journal(args.state_dir)
+    except JournalError as error:
+        raise KareusError(str(error)) from None
+    daemon = Daemon(gpus, _authorizer(args, config), config, journal, node_name=args.node_name,
+                    recheck=not args.standalone)
+    metrics = DaemonMetrics()
+    daemon.observe = metrics.observe
+    restored = daemon.restore()
+    if restored:
+        log.warning("reset %d GPU(s) left locked by a previous daemon: %s", len(restored), ", ".join(restored))
+    daemon.start_workers()
+    metrics.watch(daemon)
+    http = serve_http(args.metrics_address, args.metrics_port, metrics,
+                      lambda: daemon.ready and daemon.auth_healthy)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, daemon.stop)
+    heartbeat = asyncio.create_task(_heartbeat(metrics))
+
+    def announce() -> None:
+        host, port = http.server_address[:2]
+        mode = "standalone" if args.standalone else "kubelet"
+        print(f"kareus-node: serving socket={args.socket} metrics=http://{host}:{port} gpus={len(gpus)} "
+              f"mode={mode} dry_run={str(config.dry_run).lower()}", flush=True)
+
+    try:
+        await daemon.serve(args.socket, on_ready=announce)
+    finally:
+        heartbeat.cancel()
+        http.shutdown()
+    log.info("stopped; every GPU this daemon held is back at default clocks")
+    return 0
+
+
+def _open_gpus(args: argparse.Namespace) -> list:
+    if args.backend == "sim":
+        mig = tuple(int(i) for i in args.sim_mig.split(",") if i.strip())
+        # Simulated GPUs persist their lock in the state dir, as a real GPU keeps it across a daemon crash.
+        return discover("sim", count=args.sim_gpus, product=args.sim_product, node=args.node_name,
+                        mig_indices=mig, state_dir=Path(args.state_dir) / "sim")
+    return discover("nvml")
+
+
+def _authorizer(args: argparse.Namespace, config: NodeConfig) -> Authorizer:
+    if args.standalone:
+        return StandaloneAuthorizer(load_allow_list(args.allow_list) if args.allow_list else None)
+    api_url = args.kube_api or in_cluster_api_url()
+    if not api_url:
+        raise KareusError("no Kubernetes API server: run in a pod, pass --kube-api URL, or use --standalone")
+    pods = PodDirectory(api_url, args.node_name)
+    return KubeletAuthorizer(config, pods, PodResourcesClient(args.pod_resources_socket), proc_root=args.proc_root)
+
+
+async def _heartbeat(metrics: DaemonMetrics) -> None:
+    while True:
+        metrics.beat()
+        await asyncio.sleep(1.0)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+class _JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _configure_logging(log_format: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JSONFormatter() if log_format == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Which pod holds which GPU, from the kubelet's pod-resources gRPC API.
+
+The kubelet serves `PodResourcesLister.List` on a Unix socket
+(`/var/lib/kubelet/pod-resources/kubelet.sock`): for every pod on the node, its containers and the
+device ids each was allocated per resource. The NVIDIA device plugin's ids for `nvidia.com/gpu`
+are GPU UUIDs; with time-slicing or MPS sharing they are *replica* ids `GPU-…::N`, and with MIG
+they are `MIG-…` ids. `gpu_holders` turns the answer into GPU UUID → the pods holding it, marking
+shared allocations, so authorisation can refuse a GPU another pod may also be using.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from kareus_node._proto import api_pb2, api_pb2_grpc
+
+GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+
+class PodResourcesUnavailable(Exception):
+    """The kubelet could not be asked; callers fail closed."""
+
+
+@dataclass(frozen=True)
+class GPUHolder:
+    """A pod allocated a GPU; `shared` when through a time-slicing/MPS replica id."""
+
+    namespace: str
+    pod: str
+    shared: bool
+
+
+class PodResourcesClient:
+    """A `List` client on the kubelet socket; one channel reused across calls."""
+
+    def __init__(self, socket_path: str = DEFAULT_SOCKET, *, timeout_s: float = 2.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(f"unix://{socket_path}")
+        self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
+
+    def gpu_holders(self) -> dict[str, list[GPUHolder]]:
+        try:
+            response = self._stub.List(api_pb2.ListPodResourcesRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise PodResourcesUnavailable(
+                f"kubelet pod-resources API at {self.socket_path}: {error.code().name}"
+            ) from None
+        return gpu_holders(response.pod_resources)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def gpu_holders(pods: Iterable[api_pb2.PodResources]) -> dict[str, list[GPUHolder]]:
+    holders: dict[str, list[GPUHolder]] = {}
+    for pod in pods:
+        for container in pod.containers:
+            for devices in container.devices:
+                if devices.resource_name != GPU_RESOURCE:
+                    continue
+                for device_id in devices.device_ids:
+                    uuid, replica_sep, _ = device_id.partition("::")
+                    holder = GPUHolder(pod.namespace, pod.name, shared=bool(replica_sep))
+                    if holder not in holders.setdefault(uuid, []):
+                        holders[uuid].append(holder)
+    return holders

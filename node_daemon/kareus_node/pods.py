@@ -1,0 +1,100 @@
+"""Pod UID → namespace, name and labels, for the pods on this node.
+
+The caller's cgroup names its pod by UID, while the kubelet's pod-resources API names pods by
+namespace and name; the API server joins the two. `PodDirectory` lists the pods scheduled on this
+node (`GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`, the only read the daemon's RBAC
+grants) with the in-cluster service-account token, caches them, and refreshes on a miss at most
+once a second so a flood of unknown callers cannot flood the API server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+JOB_LABEL = "kareus.dev/job"  # set by the operator on every pod it creates
+MIN_REFRESH_INTERVAL_S = 1.0
+
+
+class PodDirectoryUnavailable(Exception):
+    """The API server could not be asked; callers fail closed."""
+
+
+@dataclass(frozen=True)
+class PodRef:
+    uid: str
+    namespace: str
+    name: str
+    labels: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def job(self) -> str:
+        return self.labels.get(JOB_LABEL, "")
+
+
+def in_cluster_api_url() -> str | None:
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+    if not host or not port:
+        return None
+    return f"https://{host}:{port}" if ":" not in host else f"https://[{host}]:{port}"
+
+
+class PodDirectory:
+    """The pods on `node_name` as the API server at `api_url` lists them."""
+
+    def __init__(
+        self,
+        api_url: str,
+        node_name: str,
+        *,
+        token_path: str = f"{SERVICE_ACCOUNT_DIR}/token",
+        ca_path: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt",
+        timeout_s: float = 2.0,
+    ) -> None:
+        selector = urllib.parse.quote(f"spec.nodeName={node_name}")
+        self._url = f"{api_url.rstrip('/')}/api/v1/pods?fieldSelector={selector}"
+        self._token_path = token_path
+        self._context = ssl.create_default_context(cafile=ca_path) if os.path.exists(ca_path) else None
+        self._timeout_s = timeout_s
+        self._pods: dict[str, PodRef] = {}
+        self._refreshed_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def lookup(self, uid: str) -> PodRef | None:
+        """The pod with this UID on this node, refreshing the cache when it is not known yet."""
+        with self._lock:
+            if uid not in self._pods and time.monotonic() - self._refreshed_at >= MIN_REFRESH_INTERVAL_S:
+                self._refresh()
+            return self._pods.get(uid)
+
+    def _refresh(self) -> None:
+        request = urllib.request.Request(self._url, headers={"Accept": "application/json"})
+        token = self._token()
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout_s, context=self._context) as response:
+                body = json.load(response)
+        except (OSError, ValueError, urllib.error.URLError) as error:
+            raise PodDirectoryUnavailable(f"cannot list pods on this node from the API server: {error}") from None
+        self._refreshed_at = time.monotonic()
+        self._pods = {}
+        for item in body.get("items", []):
+            meta = item.get("metadata", {})
+            if meta.get("uid"):
+                self._pods[meta["uid"]] = PodRef(meta["uid"], meta.get("namespace", ""), meta.get("name", ""), meta.get("labels") or {})
+
+    def _token(self) -> str:
+        try:
+            with open(self._token_path, encoding="utf-8") as handle:
+                return handle.read().strip()
+        except OSError:
+            return ""

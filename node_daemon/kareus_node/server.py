@@ -1,0 +1,455 @@
+"""The daemon proper: the socket server, sessions and leases, and the restore rules.
+
+Every accepted connection is a *session* with the kernel-vouched credentials of its peer. The
+first request that touches a GPU asks the `Authorizer` for the session's `Grant` (cached, and
+re-checked every `pod_recheck_s` while the session holds leases). A lock takes a *lease* on each
+GPU it names: leases belong to one session, so two clients can never fight over a GPU, and they
+end — the GPU goes back to default clocks — when the session ends (the client closed, exited or
+was SIGKILLed: the kernel closes its socket), when the re-check says the pod no longer holds the
+GPU or cannot be asked (fail closed), and when the daemon stops.
+
+The socket side only validates, authorises and records wishes; the `ClockWorker`s apply them.
+Bad input costs the sender, not the daemon: frames are bounded, each bad frame is answered with an
+error (or, when the framing itself is broken, the connection is closed), partial frames time out,
+and connections beyond `max_connections` are turned away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kareus.daemon_client import protocol
+from kareus.daemon_client.protocol import ProtocolError
+from kareus.policy import ClockBounds
+from kareus_node.auth import Authorizer, AuthUnavailable, Grant, Owner
+from kareus_node.config import NodeConfig
+from kareus_node.identity import PeerCredentials, peer_credentials
+from kareus_node.journal import Journal, JournalError
+from kareus_node.worker import ClockWorker
+
+log = logging.getLogger("kareus_node")
+
+MAX_BAD_FRAMES = 64  # per connection; a peer that only sends garbage is cut off
+BLOCKING_WAIT_S = 10.0
+
+
+class RequestFailed(Exception):
+    """Ends one request with an error answer; `result` is the metrics label."""
+
+    def __init__(self, code: str, message: str, result: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.result = result
+
+
+def _invalid(message: str) -> RequestFailed:
+    return RequestFailed(protocol.E_INVALID, message, "invalid")
+
+
+def _refused(message: str) -> RequestFailed:
+    return RequestFailed(protocol.E_REFUSED, message, "refused")
+
+
+@dataclass
+class Session:
+    id: int
+    peer: PeerCredentials
+    job: str = ""
+    grant: Grant | None = None
+    leases: set[str] = field(default_factory=set)
+    schedules: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)  # uuid → (clocks, cursor)
+    bad_frames: int = 0
+
+
+@dataclass(frozen=True)
+class Lease:
+    session_id: int
+    owner: Owner
+
+
+class Daemon:
+    """Serves the local API for `gpus` under `config`, authorising through `authorizer`."""
+
+    def __init__(self, gpus: Sequence[Any], authorizer: Authorizer, config: NodeConfig, journal: Journal,
+                 *, node_name: str, observe: Any = None, recheck: bool = False) -> None:
+        self.gpus = {gpu.uuid: gpu for gpu in gpus}
+        self.authorizer = authorizer
+        self.config = config
+        self.journal = journal
+        self.node_name = node_name
+        self.observe = observe or (lambda _result, _seconds: None)  # metrics hook: (result, seconds)
+        self.recheck = recheck
+        self.bounds = {gpu.uuid: _effective_bounds(gpu, config) for gpu in gpus}
+        self.workers: dict[str, ClockWorker] = {}
+        self.leases: dict[str, Lease] = {}
+        self.sessions: dict[int, Session] = {}
+        self.restored_on_start: list[str] = []
+        self.ready = False
+        self.auth_healthy = True
+        self.started_at = time.time()
+        self._ids = itertools.count(1)
+        self._server: asyncio.AbstractServer | None = None
+        self._stopped = asyncio.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def restore(self) -> list[str]:
+        """Reset every journaled GPU: its lease belonged to a connection of a previous daemon, and
+        connections do not outlive their daemon, so its owner is gone. Returns the reset UUIDs."""
+        for uuid, entry in self.journal.entries().items():
+            gpu = self.gpus.get(uuid)
+            if gpu is None:
+                log.warning("journal names GPU %s, which is not on this node any more; forgetting it", uuid)
+            else:
+                owner = Owner.from_json(entry.get("owner", {})) if isinstance(entry.get("owner"), dict) else None
+                log.warning("restoring GPU %s to default clocks (locked at %s MHz for %s by daemon pid %s)",
+                            uuid, entry.get("clock_mhz"), owner.describe() if owner else "?", entry.get("daemon_pid"))
+                gpu.reset_sm_clock()
+                self.restored_on_start.append(uuid)
+            self.journal.erase(uuid)
+        return self.restored_on_start
+
+    def start_workers(self) -> None:
+        for uuid, gpu in self.gpus.items():
+            self.workers[uuid] = ClockWorker(gpu, self.journal, dry_run=self.config.dry_run)
+            self.workers[uuid].clock_changes = self.restored_on_start.count(uuid)
+
+    async def serve(self, socket_path: str, on_ready: Callable[[], None] | None = None) -> None:
+        """Listen on `socket_path` until `stop()`; then reset everything that is still leased."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+        Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
+        self._server = await asyncio.start_unix_server(
+            self._serve_connection, path=socket_path, limit=protocol.MAX_FRAME_BYTES + protocol.HEADER.size, backlog=256
+        )
+        os.chmod(socket_path, 0o666)  # any local process may *ask*; authorisation decides
+        recheck = asyncio.create_task(self._recheck_loop()) if self.recheck else None
+        self.ready = True
+        if on_ready:
+            on_ready()
+        try:
+            await self._stopped.wait()
+        finally:
+            self.ready = False
+            if recheck:
+                recheck.cancel()
+            self._server.close()
+            self._release_everything("daemon stopping")
+            for worker in self.workers.values():
+                await asyncio.to_thread(worker.stop)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket_path)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    # -- connections ---------------------------------------------------------------------------
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.sessions) >= self.config.max_connections:
+            self.observe("rejected", 0.0)
+            await self._close_with(writer, protocol.error_reply(0, protocol.E_BUSY, f"too many connections (limit {self.config.max_connections})"))
+            return
+        try:
+            peer = peer_credentials(writer.get_extra_info("socket"))
+        except OSError:
+            writer.close()
+            return
+        session = Session(next(self._ids), peer)
+        self.sessions[session.id] = session
+        try:
+            await self._read_frames(session, reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._end_session(session)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _read_frames(self, session: Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while not self._stopped.is_set():
+            header = await reader.readexactly(protocol.HEADER.size)  # an idle client may wait forever
+            try:
+                length = protocol.frame_length(header)
+            except ProtocolError as error:  # the stream cannot be re-synchronised: answer and close
+                self.observe("invalid", 0.0)
+                await self._close_with(writer, protocol.error_reply(0, error.code, str(error)))
+                return
+            try:
+                body = await asyncio.wait_for(reader.readexactly(length), self.config.request_timeout_s)
+            except TimeoutError:
+                self.observe("invalid", 0.0)
+                await self._close_with(writer, protocol.error_reply(0, protocol.E_INVALID, f"frame not completed within {self.config.request_timeout_s} s"))
+                return
+            reply = await self._handle(session, body)
+            writer.write(protocol.encode_frame(reply))
+            await writer.drain()  # a peer that does not read its answers stalls only itself
+            if session.bad_frames >= MAX_BAD_FRAMES:
+                await self._close_with(writer, protocol.error_reply(0, protocol.E_INVALID, "too many bad frames; closing"))
+                return
+
+    async def _close_with(self, writer: asyncio.StreamWriter, reply: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):
+            writer.write(protocol.encode_frame(reply))
+            await asyncio.wait_for(writer.drain(), 1.0)
+        writer.close()
+
+    def _end_session(self, session: Session) -> None:
+        self.sessions.pop(session.id, None)
+        self._release(session, session.leases, "client disconnected")
+
+    # -- requests ------------------------------------------------------------------------------
+    async def _handle(self, session: Session, body: bytes) -> dict[str, Any]:
+        started = time.perf_counter()
+        request_id = 0
+        try:
+            message = protocol.decode_body(body)
+            request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
+            request_id, op = protocol.check_request(message)
+            reply = await getattr(self, f"_op_{op}")(session, request_id, message)
+            result = "dry_run" if self.config.dry_run and op in ("lock", "next", "reset") else "ok"
+        except ProtocolError as error:
+            session.bad_frames += 1
+            reply, result = protocol.error_reply(request_id, error.code, str(error)), "invalid"
+        except RequestFailed as error:
+            if error.result == "invalid":
+                session.bad_frames += 1
+            reply, result = protocol.error_reply(request_id, error.code, str(error)), error.result
+        except Exception as error:  # a bug must not take the daemon down with it
+            log.exception("request failed")
+            reply, result = protocol.error_reply(request_id, protocol.E_INTERNAL, f"internal error: {type(error).__name__}"), "error"
+        self.observe(result, time.perf_counter() - started)
+        return reply
+
+    async def _op_hello(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        job = message.get("job", "")
+        if not isinstance(job, str) or len(job) > 253:
+            raise _invalid("job: must be a string of at most 253 characters")
+        session.job = job
+        return protocol.ok_reply(request_id, node=self.node_name, dry_run=self.config.dry_run)
+
+    async def _op_discover(self, session: Session, request_id: int, _message: dict[str, Any]) -> dict[str, Any]:
+        grant = await self._grant(session)
+        gpus = []
+        for uuid, gpu in self.gpus.items():
+            reason = self._control_refusal(grant, uuid)
+            low, high = self.bounds[uuid]
+            gpus.append({"uuid": uuid, "pci_bus_id": gpu.pci_bus_id, "name": gpu.name,
+                         "supported_clocks_mhz": list(gpu.supported_sm_clocks_mhz()),
+                         "min_clock_mhz": low, "max_clock_mhz": high, "controllable": not reason,
+                         "reason": reason, "locked_clock_mhz": gpu.locked_clock_mhz()})
+        return protocol.ok_reply(request_id, gpus=gpus, dry_run=self.config.dry_run)
+
+    async def _op_lock(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        uuids = self._gpu_list(message)
+        clock_mhz = _int_field(message, "clock_mhz")
+        grant = await self._grant(session)
+        for uuid in uuids:
+            self._check_control(session, grant, uuid, (clock_mhz,))
+        tickets = [self._set_clock(session, grant, uuid, clock_mhz) for uuid in uuids]
+        return await self._answer_after(request_id, message, uuids, tickets)
+
+    async def _op_reset(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        uuids = self._gpu_list(message)
+        for uuid in uuids:
+            lease = self.leases.get(uuid)
+            if lease is not None and lease.session_id != session.id:
+                raise RequestFailed(protocol.E_BUSY, f"GPU {uuid} is held by {lease.owner.describe()}, not by this connection", "refused")
+        mine = [uuid for uuid in uuids if uuid in session.leases]
+        tickets = self._release(session, mine, "reset requested")
+        return await self._answer_after(request_id, message, mine, tickets)
+
+    async def _op_read(self, _session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        gpus = []
+        for uuid in self._gpu_list(message):
+            gpu = self.gpus[uuid]
+            gpus.append({"uuid": uuid, "energy_j": gpu.energy_j(), "power_w": gpu.power_w(),
+                         "sm_clock_mhz": gpu.sm_clock_mhz(), "locked_clock_mhz": gpu.locked_clock_mhz()})
+        return protocol.ok_reply(request_id, gpus=gpus)
+
+    async def _op_schedule(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        uuids = self._gpu_list(message)
+        clocks = message.get("clocks_mhz")
+        limit = self.config.max_schedule_length
+        if not isinstance(clocks, list) or not 1 <= len(clocks) <= limit:
+            raise _invalid(f"clocks_mhz: must be a list of 1 to {limit} clocks in MHz")
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in clocks):
+            raise _invalid("clocks_mhz: every entry must be an integer number of MHz")
+        grant = await self._grant(session)
+        for uuid in uuids:
+            self._check_control(session, grant, uuid, set(clocks))
+        for uuid in uuids:
+            session.schedules[uuid] = (tuple(clocks), 0)
+        return protocol.ok_reply(request_id, length=len(clocks))
+
+    async def _op_next(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        if not session.schedules:
+            raise _invalid("next: no schedule was uploaded on this connection")
+        grant = await self._grant(session)
+        steps = {uuid: clocks[cursor % len(clocks)] for uuid, (clocks, cursor) in session.schedules.items()}
+        for uuid in steps:
+            self._check_lease(session, uuid)
+        tickets = []
+        for uuid, clock_mhz in steps.items():
+            clocks, cursor = session.schedules[uuid]
+            session.schedules[uuid] = (clocks, cursor + 1)
+            tickets.append(self._set_clock(session, grant, uuid, clock_mhz))
+        reply = await self._answer_after(request_id, message, list(steps), tickets)
+        reply["clocks_mhz"] = steps
+        return reply
+
+    async def _op_status(self, _session: Session, request_id: int, _message: dict[str, Any]) -> dict[str, Any]:
+        journaled = self.journal.entries()
+        gpus = []
+        for uuid, gpu in self.gpus.items():
+            lease = self.leases.get(uuid)
+            gpus.append({"uuid": uuid, "name": gpu.name, "pci_bus_id": gpu.pci_bus_id,
+                         "locked_clock_mhz": gpu.locked_clock_mhz(), "sm_clock_mhz": gpu.sm_clock_mhz(),
+                         "power_w": gpu.power_w(), "energy_j": gpu.energy_j(),
+                         "clock_changes": self.workers[uuid].clock_changes if uuid in self.workers else 0,
+                         "owner": lease.owner.to_json() if lease else None, "journaled": uuid in journaled,
+                         "mig_enabled": gpu.is_mig_enabled(), "bounds_mhz": list(self.bounds[uuid])})
+        return protocol.ok_reply(request_id, node=self.node_name, dry_run=self.config.dry_run, pid=os.getpid(),
+                                 connections=len(self.sessions), restored_on_start=self.restored_on_start, gpus=gpus)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _gpu_list(self, message: dict[str, Any]) -> list[str]:
+        uuids = message.get("gpus")
+        if not isinstance(uuids, list) or not 1 <= len(uuids) <= len(self.gpus) or not all(isinstance(u, str) for u in uuids):
+            raise _invalid(f"gpus: must be a list of 1 to {len(self.gpus)} GPU UUIDs")
+        for index, uuid in enumerate(uuids):
+            if uuid not in self.gpus:
+                shown = uuid if len(uuid) <= 80 else uuid[:80] + "…"
+                raise _invalid(f"gpus[{index}]: {shown!r} is not a GPU on this node (GPUs are named by UUID)")
+        return list(dict.fromkeys(uuids))
+
+    async def _grant(self, session: Session) -> Grant:
+        if session.grant is None:
+            try:
+                session.grant = await asyncio.to_thread(self.authorizer.grant, session.peer, list(self.gpus))
+            except AuthUnavailable as error:
+                raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot authorise (failing closed): {error}", "unavailable") from None
+            if session.job:
+                session.grant = Grant(_with_job(session.grant.owner, session.job), session.grant.refusals)
+        return session.grant
+
+    def _control_refusal(self, grant: Grant, uuid: str) -> str:
+        reason = grant.reason(uuid)
+        if not reason and self.gpus[uuid].is_mig_enabled():
+            reason = f"GPU {uuid} has MIG enabled; clock control is refused"
+        return reason
+
+    def _check_control(self, session: Session, grant: Grant, uuid: str, clocks_mhz: Any) -> None:
+        reason = self._control_refusal(grant, uuid)
+        if reason:
+            raise _refused(reason)
+        low, high = self.bounds[uuid]
+        supported = set(self.gpus[uuid].supported_sm_clocks_mhz())
+        for clock_mhz in sorted(clocks_mhz):
+            if not low <= clock_mhz <= high:
+                raise _refused(f"clock_mhz: {clock_mhz} MHz is outside the policy bounds {low}–{high} MHz of GPU {uuid} ({self.gpus[uuid].name})")
+            if clock_mhz not in supported:
+                raise _invalid(f"clock_mhz: {clock_mhz} MHz is not a supported SM clock of GPU {uuid}")
+        self._check_lease(session, uuid)
+
+    def _check_lease(self, session: Session, uuid: str) -> None:
+        lease = self.leases.get(uuid)
+        if lease is not None and lease.session_id != session.id:
+            raise RequestFailed(protocol.E_BUSY, f"GPU {uuid} is held by {lease.owner.describe()}", "refused")
+
+    def _set_clock(self, session: Session, grant: Grant, uuid: str, clock_mhz: int) -> int:
+        worker = self.workers[uuid]
+        if uuid not in session.leases:
+            entry = {"owner": grant.owner.to_json(), "clock_mhz": clock_mhz, "daemon_pid": os.getpid(), "since": time.time()}
+            try:
+                worker.acquire(entry)  # durable before the GPU is touched
+            except JournalError as error:
+                raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot journal the lease (failing closed): {error}", "unavailable") from None
+            self.leases[uuid] = Lease(session.id, grant.owner)
+            session.leases.add(uuid)
+        return worker.want(clock_mhz)
+
+    def _release(self, session: Session, uuids: Any, why: str) -> list[int]:
+        tickets = []
+        for uuid in list(uuids):
+            lease = self.leases.get(uuid)
+            if lease is None or lease.session_id != session.id:
+                continue
+            del self.leases[uuid]
+            session.leases.discard(uuid)
+            session.schedules.pop(uuid, None)
+            log.info("GPU %s back to default clocks: %s; owner was %s", uuid, why, lease.owner.describe())
+            tickets.append(self.workers[uuid].want(None))
+        return tickets
+
+    def _release_everything(self, why: str) -> None:
+        for session in list(self.sessions.values()):
+            self._release(session, session.leases, why)
+
+    async def _answer_after(self, request_id: int, message: dict[str, Any], uuids: list[str], tickets: list[int]) -> dict[str, Any]:
+        wait = message.get("wait", False)
+        if not isinstance(wait, bool):
+            raise _invalid("wait: must be true or false")
+        if wait:
+            for uuid, ticket in zip(uuids, tickets, strict=True):
+                if not await asyncio.to_thread(self.workers[uuid].wait_applied, ticket, BLOCKING_WAIT_S):
+                    raise RequestFailed(protocol.E_INTERNAL, f"GPU {uuid}: clock not applied within {BLOCKING_WAIT_S} s", "error")
+                if self.workers[uuid].last_error:
+                    raise RequestFailed(protocol.E_INTERNAL, f"GPU {uuid}: {self.workers[uuid].last_error}", "error")
+        return protocol.ok_reply(request_id, applied=wait, dry_run=self.config.dry_run)
+
+    async def _recheck_loop(self) -> None:
+        """Re-authorise every session that holds leases; release what it no longer may hold."""
+        while True:
+            await asyncio.sleep(self.config.pod_recheck_s)
+            await self.recheck_leases()
+
+    async def recheck_leases(self) -> None:
+        healthy = True
+        for session in self.sessions.values():
+            if not session.leases:
+                session.grant = None  # asked afresh on its next request
+        for session in [s for s in self.sessions.values() if s.leases]:
+            try:
+                fresh = await asyncio.to_thread(self.authorizer.grant, session.peer, list(self.gpus))
+            except AuthUnavailable as error:
+                healthy = False
+                self._release(session, session.leases, f"authorisation unavailable, failing closed: {error}")
+                session.grant = None
+                continue
+            lost = [uuid for uuid in session.leases if fresh.reason(uuid)]
+            if lost:
+                self._release(session, lost, f"no longer allowed: {fresh.reason(lost[0])}")
+            session.grant = Grant(_with_job(fresh.owner, session.job), fresh.refusals) if session.job else fresh
+        self.auth_healthy = healthy
+
+
+def _with_job(owner: Owner, job: str) -> Owner:
+    """The owner labelled with the job the client named, unless its pod already says which job."""
+    if owner.job:
+        return owner
+    return Owner(owner.pid, owner.uid, owner.namespace, owner.pod, owner.pod_uid, job)
+
+
+def _int_field(message: dict[str, Any], name: str) -> int:
+    value = message.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(f"{name}: must be an integer number of MHz")
+    return value
+
+
+def _effective_bounds(gpu: Any, config: NodeConfig) -> tuple[int, int]:
+    """Policy bounds for the GPU's model, intersected with the clocks it supports."""
+    supported = gpu.supported_sm_clocks_mhz()
+    bounds: ClockBounds = config.policy.clock_bounds_for(gpu.name)
+    low = max(min(supported), bounds.floor_mhz or 0)
+    high = min(max(supported), bounds.ceiling_mhz or max(supported))
+    return low, high
