@@ -166,19 +166,27 @@ clockBounds:
 {{- end }}
 {{- end -}}
 
+{{/* `kareus-node` flags (node_daemon/kareus_node/main.py); paths are the hostPath mounts. */}}
 {{- define "kareus.nodeAgent.args" -}}
+{{- $agent := .Values.nodeAgent -}}
+- --backend=nvml
 - --config=/etc/kareus-node/config.yaml
+- --socket={{ include "kareus.nodeAgent.socketPath" . }}
+- --state-dir={{ $agent.stateDir }}
+- --pod-resources-socket={{ printf "%s/kubelet.sock" $agent.podResourcesDir }}
 - --node-name=$(NODE_NAME)
-{{- range .Values.nodeAgent.extraArgs }}
+- --proc-root=/proc
+- --metrics-port={{ $agent.metricsPort }}
+- --log-format={{ $agent.logFormat }}
+- --log-level={{ $agent.logLevel | upper }}
+{{- range $agent.extraArgs }}
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
 
-{{/* Put every GPU this agent owns back to default clocks before the container stops. */}}
-{{- define "kareus.nodeAgent.preStop" -}}
-- kareus-node
-- reset
-- --config=/etc/kareus-node/config.yaml
+{{/* The daemon's socket; training pods mount nodeAgent.socketDir and find it there. */}}
+{{- define "kareus.nodeAgent.socketPath" -}}
+{{- printf "%s/node.sock" .Values.nodeAgent.socketDir -}}
 {{- end -}}
 
 {{- define "kareus.nodeAgent.probes" -}}
@@ -188,9 +196,10 @@ livenessProbe:
     port: metrics
   initialDelaySeconds: 10
   periodSeconds: 20
+# Ready only while the socket is served and pod-to-GPU authorisation works (fail closed).
 readinessProbe:
   httpGet:
-    path: /healthz
+    path: /readyz
     port: metrics
   periodSeconds: 10
 {{- end -}}
