@@ -113,13 +113,6 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict], pan
     }
 
 
-def avg_of_histogram(name: str, selector: str, by: str = "") -> str:
-    """Mean observation of a histogram over the rate window (sum of values / number of observations)."""
-    group = f" by ({by})" if by else ""
-    return (f"sum{group} (rate({name}_sum{{{selector}}}{RATE})) / "
-            f"sum{group} (rate({name}_count{{{selector}}}{RATE}))")
-
-
 # ---------------------------------------------------------------- the dashboards
 
 NODE = 'node=~"$node"'
@@ -183,6 +176,10 @@ def cluster_energy() -> dict:
 def job_view() -> dict:
     job = 'namespace=~"$namespace",kareusjob=~"$kareusjob"'
     per_job = "namespace, kareusjob"
+    # Workers report the last iteration as gauges per rank; the job's value is the slowest rank's
+    # time and the job-scope energy (every rank reports the same sum over all GPUs).
+    iteration_s = f"max by ({per_job}) ({m.ITERATION_SECONDS}{{{job}}})"
+    iteration_j = f'max by ({per_job}) ({m.ITERATION_ENERGY_JOULES}{{{job},scope="job"}})'
     return dashboard(
         "kareus-job", "Kareus / Job",
         "One KareusJob: iteration time and energy, tokens per joule, the plan in use and its predictions.",
@@ -190,40 +187,38 @@ def job_view() -> dict:
          query_variable("kareusjob", "KareusJob", f'label_values({m.PLAN_INFO}{{namespace=~"$namespace"}}, kareusjob)')],
         [
             row("Training"),
-            stat("Iteration time", avg_of_histogram(m.ITERATION_SECONDS, job), "s",
-                 "Mean iteration time over the rate window."),
-            stat("Energy per iteration", avg_of_histogram(m.ITERATION_ENERGY_JOULES, job), "joule",
-                 "Mean energy of one iteration, all GPUs of the job together."),
-            stat("Tokens per joule", f"avg({m.TOKENS_PER_JOULE}{{{job}}})", "none",
+            stat("Iteration time", iteration_s, "s", "Wall time of the last iteration (slowest rank)."),
+            stat("Energy per iteration", iteration_j, "joule",
+                 "Energy of the last iteration, all GPUs of the job together."),
+            stat("Tokens per joule", f"max by ({per_job}) ({m.TOKENS_PER_JOULE}{{{job}}})", "none",
                  "Training tokens per joule of GPU energy."),
             stat("Job GPU power", f"sum({m.GPU_POWER_WATTS}{{{job}}})", "watt",
                  "Power of the job's GPUs, measured by the node agents."),
-            timeseries("Iteration time", [target(avg_of_histogram(m.ITERATION_SECONDS, job, per_job),
-                                                 "{{namespace}}/{{kareusjob}}")],
-                       "s", "Mean iteration time."),
+            timeseries("Iteration time", [target(iteration_s, "{{namespace}}/{{kareusjob}}")],
+                       "s", "Wall time of each iteration (slowest rank)."),
             timeseries("Energy per iteration",
-                       [target(avg_of_histogram(m.ITERATION_ENERGY_JOULES, job, per_job),
-                               "reported {{kareusjob}}", "A"),
-                        target(f"sum by ({per_job}) (rate({m.GPU_ENERGY_JOULES_TOTAL}{{{job}}}{RATE})) * "
-                               f"{avg_of_histogram(m.ITERATION_SECONDS, job, per_job)}",
+                       [target(iteration_j, "reported {{kareusjob}}", "A"),
+                        target(f"sum by ({per_job}) (rate({m.GPU_ENERGY_JOULES_TOTAL}{{{job}}}{RATE})) * {iteration_s}",
                                "node agents {{kareusjob}}", "B")],
                        "joule", "Energy per iteration as the workers report it and as the node agents measure "
-                                "it (job GPU power × iteration time)."),
-            timeseries("Tokens per joule", [target(f"avg by ({per_job}) ({m.TOKENS_PER_JOULE}{{{job}}})",
+                                "it (job GPU power × iteration time); they should agree."),
+            timeseries("Tokens per joule", [target(f"max by ({per_job}) ({m.TOKENS_PER_JOULE}{{{job}}})",
                                                    "{{namespace}}/{{kareusjob}}")],
                        "none", "Higher is better."),
+            timeseries("Energy per iteration per GPU",
+                       [target(f'{m.ITERATION_ENERGY_JOULES}{{{job},scope="gpu"}}', "rank {{rank}} stage {{stage}}")],
+                       "joule", "Each rank's own GPU: pipeline stages off the critical path run at lower clocks."),
             timeseries("SM clocks of the job's GPUs",
                        [target(f"{m.GPU_SM_CLOCK_HERTZ}{{{job}}}", "{{node}} {{gpu_uuid}}")],
-                       "hertz", "The clocks the plan switches between, per instruction."),
+                       "hertz", "The clocks the plan switches between, per instruction.", w=GRID_W),
             row("Plan"),
-            table("Plan in use and predicted vs measured",
-                  [target(f"max by ({per_job}, plan, objective, predicted_iteration_seconds, "
-                          f"predicted_iteration_joules) ({m.PLAN_INFO}{{{job}}})", ref="A", instant=True, table=True),
-                   target(avg_of_histogram(m.ITERATION_SECONDS, job, per_job), ref="B", instant=True, table=True),
-                   target(avg_of_histogram(m.ITERATION_ENERGY_JOULES, job, per_job), ref="C", instant=True,
-                          table=True)],
-                  "The plan each job runs (labels of kareus_plan_info: its objective and predicted iteration "
-                  "time and energy) beside the measured means (Value #B: seconds, Value #C: joules)."),
+            table("Plan in use: predicted vs measured",
+                  [target(f'{m.PLAN_INFO}{{{job},rank="0"}}', ref="A", instant=True, table=True),
+                   target(iteration_s, ref="B", instant=True, table=True),
+                   target(iteration_j, ref="C", instant=True, table=True)],
+                  "The plan each job runs (the labels of kareus_plan_info: schedule mode, objective and the "
+                  "plan's predicted iteration time and energy) beside the measured last iteration "
+                  "(Value #B: seconds, Value #C: joules)."),
         ],
     )
 
