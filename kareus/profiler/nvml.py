@@ -1,0 +1,192 @@
+"""Measuring on real GPUs through NVML: the thermally stable profiler (DESIGN.md §2.7).
+
+For every candidate the backend locks the SM clock of the job's GPUs (min = max = the candidate's
+clock), then:
+
+1. warm-up: a few runs, then a timed calibration run decides how many repetitions fill the
+   measurement window (NVML's energy counter only updates about every 100 ms, and a short window
+   is biased low because the GPU has not warmed up);
+2. cooldown: sleep `cooldown_s` so every candidate starts from a similar temperature;
+3. measure: read every GPU's cumulative energy counter, run the repetitions, synchronise, read
+   again. Time per run = window / repetitions (the window ends when the slowest GPU is done, so
+   it is the max over ranks); energy = sum of the counter differences over GPUs / repetitions,
+   stored per GPU (divided by the GPU count, as the profile document is per GPU).
+
+Clocks are reset on every exit path (`try/finally` around each lock, and `close()`), including
+when the workload raises or the process is interrupted.
+
+"The job's GPUs" are the GPUs this process can see: in a Kubernetes pod the device plugin exposes
+exactly the allocated GPUs; outside one, the first `num_gpus` NVML devices (use
+`CUDA_VISIBLE_DEVICES` / `NVIDIA_VISIBLE_DEVICES` with `CUDA_DEVICE_ORDER=PCI_BUS_ID` to choose).
+The work itself is the torch emulation in `kernels.py`, one copy per GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kareus.errors import KareusError
+from kareus.gpu.device import GPUDevice
+from kareus.optimizer.mbo.problem import Candidate
+from kareus.profiler.backends import ProfilerBackend
+from kareus.workload.partitions import PartitionType, StageWorkload
+
+
+class Runnable(Protocol):
+    def run(self) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class WindowSettings:
+    """The measurement protocol's knobs (tuned per machine; the paper uses 5 s and 5 s)."""
+
+    measurement_s: float = 5.0
+    cooldown_s: float = 5.0
+    warmup_runs: int = 3
+    settle_s: float = 0.0  # wait after locking clocks before the warm-up
+
+
+def nvml_available(module: str = "pynvml") -> bool:
+    """Whether NVML can be initialised and sees at least one GPU."""
+    try:
+        from kareus.gpu.nvml import discover_nvml
+
+        return bool(discover_nvml(module))
+    except KareusError:
+        return False
+
+
+@contextlib.contextmanager
+def locked_clock(devices: Sequence[GPUDevice], clock_mhz: int) -> Iterator[None]:
+    """Lock every device at `clock_mhz`; reset every device on the way out, whatever happens."""
+    try:
+        for device in devices:
+            device.lock_sm_clock(clock_mhz, clock_mhz)
+        yield
+    finally:
+        reset_all(devices)
+
+
+def reset_all(devices: Sequence[GPUDevice]) -> None:
+    """Reset every device's locked clocks; a failure on one does not stop the others."""
+    failures = []
+    for device in devices:
+        try:
+            device.reset_sm_clock()
+        except KareusError as error:
+            failures.append(str(error))
+    if failures:
+        raise KareusError("could not reset locked clocks: " + "; ".join(failures))
+
+
+def measure_window(devices: Sequence[GPUDevice], workloads: Sequence[Runnable], settings: WindowSettings, *,
+                   now: Callable[[], float] = time.perf_counter,
+                   sleep: Callable[[float], None] = time.sleep) -> tuple[float, float]:
+    """(time_s per run, energy_j per run per GPU) of `workloads` (one per device) run together."""
+
+    def run_all(repetitions: int) -> float:
+        start = now()
+        for _ in range(repetitions):
+            for workload in workloads:
+                workload.run()
+        for workload in workloads:
+            workload.synchronize()
+        return now() - start
+
+    run_all(settings.warmup_runs)
+    per_run_s = max(run_all(1), 1e-9)
+    repetitions = max(1, math.ceil(settings.measurement_s / per_run_s))
+    sleep(settings.cooldown_s)
+    run_all(1)  # re-warm the caches after the cooldown
+    before = [device.energy_j() for device in devices]
+    window_s = run_all(repetitions)
+    after = [device.energy_j() for device in devices]
+    energy_j = sum(a - b for a, b in zip(after, before, strict=True))
+    return window_s / repetitions, energy_j / repetitions / len(devices)
+
+
+def _select_devices(devices: Sequence[GPUDevice], num_gpus: int) -> list[GPUDevice]:
+    if len(devices) < num_gpus:
+        raise KareusError(f"the job needs {num_gpus} GPUs per partition group; NVML sees {len(devices)}")
+    chosen = list(devices[:num_gpus])
+    for device in chosen:
+        if device.is_mig_enabled():
+            raise KareusError(f"GPU {device.uuid} is in MIG mode; clocks of a MIG GPU cannot be profiled")
+    return chosen
+
+
+class NvmlBackend(ProfilerBackend):
+    """Measures on the GPUs NVML sees, locking their clocks per candidate (see module docstring)."""
+
+    name = "nvml"
+
+    def __init__(self, *, num_gpus: int = 1, devices: Sequence[GPUDevice] | None = None,
+                 measurement_s: float = 5.0, cooldown_s: float = 5.0, warmup_runs: int = 3,
+                 torch_devices: Sequence[Any] | None = None, scale: float = 1.0,
+                 nvml_module: str = "pynvml", now: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if devices is None:
+            from kareus.gpu import discover
+
+            devices = discover("nvml", module=nvml_module)
+        self.devices = _select_devices(devices, num_gpus)
+        self.gpu_name = self.devices[0].name
+        self.p_static_w = self._static_power_w()
+        self.settings = WindowSettings(measurement_s, cooldown_s, warmup_runs)
+        self.torch_devices = list(torch_devices) if torch_devices is not None else [
+            f"cuda:{index}" for index in range(len(self.devices))]
+        self.scale = scale
+        self._now, self._sleep = now, sleep
+
+    def _static_power_w(self) -> float:
+        """P_static of this GPU model: the calibrated preset, else the idle power read now."""
+        from kareus.sim import get_gpu
+
+        try:
+            return float(get_gpu(self.gpu_name).p_static_w)
+        except KareusError:
+            return float(sum(device.power_w() for device in self.devices) / len(self.devices))
+
+    def supported_clocks_mhz(self) -> tuple[int, ...]:
+        common = set(self.devices[0].supported_sm_clocks_mhz())
+        for device in self.devices[1:]:
+            common &= set(device.supported_sm_clocks_mhz())
+        return tuple(sorted(common, reverse=True))
+
+    def _measure(self, clock_mhz: int, make: Callable[[Any], Runnable]) -> tuple[float, float]:
+        with locked_clock(self.devices, clock_mhz):
+            self._sleep(self.settings.settle_s)
+            workloads = [make(torch_device) for torch_device in self.torch_devices]
+            return measure_window(self.devices, workloads, self.settings, now=self._now, sleep=self._sleep)
+
+    def measure_partitions(self, ptype: PartitionType,
+                           candidates: Sequence[Candidate]) -> list[tuple[float, float]]:
+        from kareus.profiler.kernels import EmulatedPartition
+
+        return [
+            self._measure(c.clock_mhz, lambda device, c=c: EmulatedPartition(
+                ptype, c.launch_slot, c.comm_sms, device, self.scale))
+            for c in candidates
+        ]
+
+    def measure_work(self, what: str, stage: StageWorkload, direction: str,
+                     clock_mhz: int) -> tuple[float, float]:
+        from kareus.profiler.kernels import EmulatedWork
+
+        if what == "sequential":
+            ops = stage.sequential_forward_ops if direction == "forward" else stage.sequential_backward_ops
+        else:
+            ops = stage.nonpartition_forward_ops if direction == "forward" else stage.nonpartition_backward_ops
+        if not ops:
+            return (0.0, 0.0)
+        return self._measure(clock_mhz, lambda device: EmulatedWork(ops, device, self.scale))
+
+    def close(self) -> None:
+        reset_all(self.devices)

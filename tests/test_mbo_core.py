@@ -1,0 +1,176 @@
+"""Multi-pass MBO on closed-form problems: indicators, batch split, designs, stopping, presets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pymoo.indicators.hv import HV
+
+from kareus.errors import KareusError
+from kareus.optimizer.mbo.acquisition import batch_sizes, fill_batch
+from kareus.optimizer.mbo.algorithms import (
+    PAPER_BUDGETS,
+    Exhaustive,
+    MultiPassMBO,
+    RandomSearch,
+    frontier_of,
+    get_algorithm,
+    minimize,
+)
+from kareus.optimizer.mbo.designs import random_design, stratified_design
+from kareus.optimizer.mbo.indicators import dominance_gap, hvi_2d, hypervolume, pareto_mask
+from kareus.optimizer.mbo.problem import Problem, SearchSpace
+from kareus.optimizer.mbo.testproblems import overlap_problem
+
+points_2d = st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(front=points_2d, candidates=points_2d)
+def test_hvi_matches_pymoo_hypervolume_difference(front, candidates):
+    front, candidates = np.array(front), np.array(candidates)
+    hv = HV(ref_point=np.array([1.1, 1.1]))
+    base = hv(front)
+    expected = [hv(np.vstack((front, c))) - base for c in candidates]
+    assert np.allclose(hvi_2d(front, candidates), expected, atol=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(points=points_2d)
+def test_pareto_mask_is_the_set_of_non_dominated_points(points):
+    points = np.array(points)
+    mask = pareto_mask(points)
+    for i, p in enumerate(points):
+        dominated = any(np.all(q <= p) and np.any(q < p) for q in points)
+        assert not (mask[i] and dominated)
+    # every distinct non-dominated point is kept exactly once
+    kept = {tuple(p) for p in points[mask]}
+    assert len(kept) == int(mask.sum())
+    assert kept == {tuple(p) for p in points if not any(np.all(q <= p) and np.any(q < p) for q in points)}
+
+
+def test_dominance_gap_is_zero_off_the_dominated_region_and_grows_inside_it():
+    front = np.array([[0.2, 0.8], [0.5, 0.3]])
+    gaps = dominance_gap(front, np.array([[0.1, 0.9], [0.6, 0.4], [0.9, 0.9]]))
+    assert gaps[0] == 0.0
+    assert gaps[1] == pytest.approx(0.1)
+    assert gaps[2] == pytest.approx(0.4)  # beat (0.5, 0.3) in time: 0.9 - 0.5
+
+
+def test_hypervolume_of_a_single_point():
+    assert hypervolume(np.array([[0.1, 0.1]])) == pytest.approx(1.0)
+    assert hypervolume(np.array([[1.2, 0.0]])) == 0.0
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 16, 32])
+def test_batch_split_is_40_20_20_20_and_sums_to_the_batch(size):
+    quotas = batch_sizes(size, {"total": 0.4, "effective": 0.2, "static": 0.2, "uncertainty": 0.2})
+    assert sum(quotas.values()) == size
+    assert all(q >= 0 for q in quotas.values())
+    if size == 16:
+        assert quotas == {"total": 6, "effective": 3, "static": 3, "uncertainty": 4}
+    if size == 32:
+        assert quotas == {"total": 13, "effective": 6, "static": 6, "uncertainty": 7}
+
+
+def test_fill_batch_never_duplicates_and_backfills_a_pass_that_ran_out():
+    rankings = {"total": np.array([0, 1, 2, 3]), "effective": np.array([0, 1, 2, 3]),
+                "static": np.array([1, 0, 3, 2]), "uncertainty": np.array([3, 2, 1, 0])}
+    chosen = fill_batch(rankings, {"total": 2, "effective": 1, "static": 1, "uncertainty": 1})
+    positions = [p for p, _ in chosen]
+    assert len(positions) == len(set(positions)) == 4  # only four candidates exist
+    assert [s for _, s in chosen][:2] == ["total", "total"]
+    assert dict(chosen)[2] == "effective" and dict(chosen)[3] == "static"
+
+
+def test_stratified_design_balances_clocks_and_is_distinct():
+    space = SearchSpace(tuple(range(900, 1411, 30)), tuple(range(3, 31, 3)), ("a", "b", "c"))
+    design = stratified_design(space, 54, np.random.default_rng(3))
+    assert len(set(design.tolist())) == 54
+    clocks = np.bincount(space.axes[0][design], minlength=18)
+    assert clocks.min() == clocks.max() == 3
+    sms = np.bincount(space.axes[1][design], minlength=10)
+    assert sms.min() >= 5  # Latin-hypercube spread over comm SMs
+    assert len(set(random_design(space, 100, np.random.default_rng(0)).tolist())) == 100
+
+
+def _small_problem(noise_std: float = 0.0, seed: int = 0, size_class: str = "medium") -> Problem:
+    return overlap_problem(clocks_mhz=tuple(range(1110, 1411, 60)), slots=("norm_0", "linear_0", "attn_0"),
+                           noise_std=noise_std, seed=seed, size_class=size_class)
+
+
+def _hv_ratio(result, reference, p_static_w):
+    from kareus.optimizer.mbo.indicators import Normaliser
+
+    def plane(items):
+        return np.array([(e.time_s, e.effective_energy_j) for e in items])
+
+    scale = Normaliser.fit(plane(reference.measured))
+    return hypervolume(scale(plane(result.frontier))) / hypervolume(scale(plane(reference.frontier)))
+
+
+def test_paper_preset_spends_the_paper_budget_without_duplicates():
+    problem = overlap_problem(size_class="small", clocks_mhz=tuple(range(900, 1411, 30)), slots=("norm_0",))
+    result = minimize(problem, get_algorithm("paper"), seed=4)
+    keys = [e.candidate for e in result.measured]
+    assert len(keys) == len(set(keys)) == result.evaluations
+    assert result.grid_size == 180
+    assert result.history[0].evaluations == PAPER_BUDGETS["small"].n_init == 36
+    assert all(len(step.evaluated) == 16 for step in result.history[1:])
+    assert result.evaluations <= PAPER_BUDGETS["small"].evaluations == 84
+    sources = {e.source for e in result.measured}
+    assert {"initial", "total", "effective", "static", "uncertainty"} <= sources
+
+
+def test_frontier_is_the_measured_pareto_set_only():
+    problem = _small_problem(noise_std=0.02, seed=1)
+    result = minimize(problem, get_algorithm("default"), seed=2)
+    measured = set(result.measured)
+    assert set(result.frontier) <= measured
+    assert set(result.frontier) == set(frontier_of(result.measured))
+    times = [e.time_s for e in result.frontier]
+    assert times == sorted(times)
+
+
+def test_default_preset_matches_exhaustive_with_a_fifth_of_the_grid():
+    problem = overlap_problem(noise_std=0.0)  # 18 clocks x 10 SM counts x 4 slots = 720
+    exhaustive = minimize(problem, Exhaustive())
+    result = minimize(problem, get_algorithm("default"), seed=0)
+    assert result.evaluations <= 0.2 * problem.space.size
+    assert _hv_ratio(result, exhaustive, problem.p_static_w) >= 0.99
+    measured_clocks = {e.candidate.clock_mhz for e in result.measured}
+    assert measured_clocks == set(problem.space.clocks_mhz)  # composition needs every clock
+
+
+def test_search_is_deterministic_for_a_seed():
+    first = minimize(_small_problem(), get_algorithm("default"), seed=7)
+    second = minimize(_small_problem(), get_algorithm("default"), seed=7)
+    assert [e.candidate for e in first.measured] == [e.candidate for e in second.measured]
+
+
+def test_stopping_rule_ends_the_search_when_the_front_stops_improving():
+    space = SearchSpace(tuple(range(900, 1411, 30)), tuple(range(1, 21)), ("a", "b"))
+
+    def flat(candidates):  # every configuration costs the same: no batch can improve the front
+        return [(1.0, 100.0) for _ in candidates]
+
+    problem = Problem("flat", space, flat, 85.0, "large")
+    result = minimize(problem, get_algorithm("paper"), seed=0)
+    assert len(result.history) == 3  # initial design + the two batches of the moving average
+    assert result.evaluations == 96 + 2 * 32
+
+
+def test_random_and_exhaustive_cover_what_they_promise():
+    problem = _small_problem()
+    assert minimize(problem, Exhaustive()).evaluations == problem.space.size
+    result = minimize(problem, RandomSearch(evaluations=25, batch_size=10), seed=1)
+    assert result.evaluations == 25 and [len(s.evaluated) for s in result.history] == [10, 10, 5]
+
+
+def test_unknown_algorithm_and_bad_size_class_are_clear_errors():
+    with pytest.raises(KareusError, match="allowed: paper, default, exhaustive, random"):
+        get_algorithm("bayes")
+    with pytest.raises(KareusError, match="size class"):
+        minimize(_small_problem(size_class="huge"), MultiPassMBO(get_algorithm("paper").settings))
