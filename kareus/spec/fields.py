@@ -125,8 +125,8 @@ class Fields:
             return value
         low_ok = is_number(value) and (value > minimum if exclusive_minimum else value >= minimum)
         if not low_ok or value > maximum:
-            low = f"({minimum}" if exclusive_minimum else f"[{minimum}"
-            self.error(key, f"must be a number in {low}, {maximum}], got {describe(value)}")
+            low = f"({minimum:g}" if exclusive_minimum else f"[{minimum:g}"
+            self.error(key, f"must be a number in {low}, {maximum:g}], got {describe(value)}")
             return None
         return float(value)
 

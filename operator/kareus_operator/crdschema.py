@@ -141,7 +141,12 @@ def _type_of(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+INT64 = (-(2**63), 2**63 - 1)
+
+
 def _type_ok(schema: dict, value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+        return False  # JSON decoding on the server fails beyond int64
     if schema.get("x-kubernetes-int-or-string"):
         return _type_of(value) in ("integer", "string")
     wanted = schema.get("type")
@@ -353,8 +358,8 @@ def _rule_errors(schema: dict, value: Any, old: Any, path: str) -> list[SchemaEr
             activation["oldSelf"] = to_cel(schema, old)
         try:
             result = _program(expression).evaluate(activation)
-        except celpy.CELEvalError as error:
-            result = error
+        except (celpy.CELEvalError, ValueError, TypeError, OverflowError) as error:
+            result = celpy.CELEvalError(str(error))
         if isinstance(result, celpy.CELEvalError):
             errors.append(SchemaError(where or "<nil>", "Invalid value",
                                       f'"object": rule evaluation error: {result.args[0] if result.args else result}'))

@@ -1,0 +1,62 @@
+"""`kareus validate`: exit 0 for valid manifests, every error and exit 1 otherwise, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kareus.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+INVALID = ROOT / "tests" / "data" / "invalid"
+
+
+def test_valid_manifests_exit_zero(capsys):
+    assert main(["validate", str(QUICKSTART), str(ROOT / "examples" / "llama3.2-3b-a100.yaml")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2
+    assert "valid KareusJob default/quickstart: tiny, TP2 PP1 CP1 DP1 on 2 GPUs" in out[0]
+
+
+def test_every_error_is_printed_with_file_and_path(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(QUICKSTART.read_text().replace("tensor: 2", "tensor: 0").replace("steps: 8", "steps: -1"))
+    assert main(["validate", str(QUICKSTART), str(bad)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"{bad}: spec.parallelism.tensor: must be an integer in [1, 4096], got 0",
+        f"{bad}: spec.training.steps: must be an integer in [1, 1000000000], got -1",
+    ]
+    assert "quickstart.yaml: valid" in captured.out
+
+
+def test_json_output(capsys):
+    assert main(["validate", "--json", str(INVALID / "odd-microbatch.yaml")]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["valid"] is False
+    assert report["errors"][0]["path"] == "spec.parallelism.microBatchSize"
+    assert main(["validate", "--json", str(QUICKSTART)]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["parallelism"]["nanobatching"] is True
+
+
+def test_missing_file_and_bad_yaml_are_one_line_without_traceback(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec: {model: [\n")
+    for path, expected in ((tmp_path / "nope.yaml", "no such file"), (broken, "not valid YAML")):
+        result = subprocess.run([sys.executable, "-m", "kareus", "validate", str(path)],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 1
+        assert result.stderr.count("\n") == 1 and expected in result.stderr
+        assert "Traceback" not in result.stderr and result.stderr.startswith(str(path))
+
+
+def test_usage_errors_exit_two(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["validate"])
+    assert stop.value.code == 2
+    assert "JOB.yaml" in capsys.readouterr().err
