@@ -84,8 +84,8 @@ app.kubernetes.io/component: {{ .component }}
 {{ toYaml .Values.policy }}
 {{- end -}}
 
-{{/* What the operator does in a namespace it watches: its CRD, the phase Jobs, Services and
-ConfigMaps it owns, Events it reports, and pods it only reads. */}}
+{{/* What the operator does in a namespace it watches: its CRD, the phase pods, Services and
+ConfigMaps it owns (the policy ConfigMap is read through the same rule), and the Events it reports. */}}
 {{- define "kareus.operator.rules" -}}
 - apiGroups: ["kareus.dev"]
   resources: ["kareusjobs"]
@@ -96,35 +96,29 @@ ConfigMaps it owns, Events it reports, and pods it only reads. */}}
 - apiGroups: ["kareus.dev"]
   resources: ["kareusjobs/finalizers"]
   verbs: ["update"]
-- apiGroups: ["batch"]
-  resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create", "delete", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "delete", "patch", "update"]
-- apiGroups: [""]
-  resources: ["pods"]
-  verbs: ["get", "list", "watch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
 {{- end -}}
 
-{{/* `kareus-operator` flags, rendered from operator.args only (keep them aligned here). */}}
+{{/* `kareus-operator run` flags, rendered from operator.args only (keep them aligned here). */}}
 {{- define "kareus.operator.args" -}}
 {{- $args := .Values.operator.args -}}
-{{- if $args.watchNamespaces }}
+- run
 {{- range $args.watchNamespaces }}
 - --namespace={{ . }}
 {{- end }}
-{{- else }}
-- --all-namespaces
-{{- end }}
-- --policy-file=/etc/kareus/policy/policy.yaml
-- --log-format={{ $args.logFormat }}
-- --log-level={{ $args.logLevel }}
 - --metrics-port={{ $args.metricsPort }}
-- --liveness=http://0.0.0.0:{{ $args.healthPort }}/healthz
+- --metrics-address=0.0.0.0
+{{- if $args.verbose }}
+- --verbose
+{{- end }}
 {{- range $args.extra }}
 - {{ . | quote }}
 {{- end }}
@@ -216,4 +210,31 @@ kareus.dev/job-name
 {{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
 {{- end -}}
 {{- join ", " $pairs -}}
+{{- end -}}
+
+{{/* Operator settings (operator/kareus_operator/settings.py reads KAREUS_OPERATOR_<FIELD>). */}}
+{{- define "kareus.operator.env" -}}
+- name: KAREUS_OPERATOR_IMAGE
+  value: {{ include "kareus.image" (dict "image" .Values.operator.workerImage "ctx" $) | quote }}
+- name: KAREUS_OPERATOR_POLICY_CONFIGMAP
+  value: {{ include "kareus.policy.configMapName" . | quote }}
+- name: KAREUS_OPERATOR_POLICY_NAMESPACE
+  value: {{ .Release.Namespace | quote }}
+- name: KAREUS_OPERATOR_NODE_SOCKET_DIR
+  value: {{ .Values.nodeAgent.socketDir | quote }}
+- name: KAREUS_OPERATOR_SERVICE_ACCOUNT
+  value: {{ .Values.workers.serviceAccountName | quote }}
+- name: KAREUS_OPERATOR_WATCH_NAMESPACES
+  value: {{ join "," .Values.operator.args.watchNamespaces | quote }}
+{{- range $name, $value := .Values.operator.settings }}
+- name: {{ printf "KAREUS_OPERATOR_%s" $name }}
+  value: {{ $value | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Namespaces that get the worker service account: workers.namespaces, else the watched ones, else
+the policy's allowed ones. */}}
+{{- define "kareus.workers.namespaces" -}}
+{{- $namespaces := .Values.workers.namespaces | default .Values.operator.args.watchNamespaces | default .Values.policy.allowedNamespaces -}}
+{{- toJson (default list $namespaces) -}}
 {{- end -}}
