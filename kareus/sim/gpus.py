@@ -11,7 +11,8 @@ datasheets). The physical columns are per-silicon estimates, documented in `docs
   Hopper (700 W, 132 SMs, ~2× the switching per clock): ~560 W.
 - `voltage_knee_mhz`, `voltage_min_ratio`: V(f) is flat at `voltage_min_ratio`·V_max below the knee
   and rises linearly to V_max at the maximum clock (DVFS tables of A100/H100 place the knee around
-  70 % of the boost clock with ~0.70 V of ~1.0 V; A100: energy stops dropping below ~900-1000 MHz).
+  75 % of the boost clock with ~0.70 V of ~1.0 V; A100: Perseus' layer energy bottoms out at
+  1020-1080 MHz and the paper finds no saving below ~900 MHz).
 - `hbm_pj_per_byte`: energy of moving one byte to or from DRAM (HBM2e ~4-5 pJ/bit incl. PHY;
   HBM3 ~3.5 pJ/bit; GDDR6 ~7 pJ/bit).
 
@@ -91,11 +92,11 @@ _ENVELOPES = (
 
 # sm_dynamic_w_at_max, voltage_knee_mhz, voltage_min_ratio, hbm_pj_per_byte (module docstring)
 _PHYSICS = {
-    "A100-SXM4-40GB": (350.0, 1005.0, 0.70, 40.0),
-    "A100-SXM4-80GB": (350.0, 1005.0, 0.70, 40.0),
-    "A40": (200.0, 1245.0, 0.70, 56.0),
-    "H100-SXM5-80GB": (560.0, 1400.0, 0.70, 28.0),
-    "H200-SXM-141GB": (560.0, 1400.0, 0.70, 28.0),
+    "A100-SXM4-40GB": (350.0, 1065.0, 0.70, 40.0),
+    "A100-SXM4-80GB": (350.0, 1065.0, 0.70, 40.0),
+    "A40": (200.0, 1305.0, 0.70, 56.0),
+    "H100-SXM5-80GB": (560.0, 1500.0, 0.70, 28.0),
+    "H200-SXM-141GB": (560.0, 1500.0, 0.70, 28.0),
 }
 
 GPUS: dict[str, GPUSpec] = {

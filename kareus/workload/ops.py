@@ -47,6 +47,7 @@ class ComputeOp:
     flops: float
     hbm_bytes: float
     slot_group: str
+    backward: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in COMPUTE_KINDS:
@@ -141,10 +142,13 @@ def layer_forward_compute(dims: LayerDims) -> dict[str, ComputeOp]:
     seq_kv = dims.seq_local * dims.cp
     attn_flops = 2.0 * 2.0 * dims.tokens * seq_kv * 0.5 * q
     attn_elements = t * (2 * q) + dims.batch * seq_kv * 2 * kv  # read Q, write O, read K, V
-    post_elements = 2 * t * qkv_out + (4 * t * (q + kv) if dims.shape.qk_norm else 0.0)
+    # Splitting the fused QKV output into q, k, v is a view; only q/k RMSNorm (Qwen3) moves data.
+    post_elements = 4 * t * (q + kv) if dims.shape.qk_norm else 0.0
     return {
         "bda_mlp": _memory("bda_mlp", "norm", 3 * t * h, 2.0),
-        "fork_attn": _memory("fork_attn", "norm", 2 * t * h),
+        # The residual fork keeps a reference (no copy); its backward's gradient add is counted in
+        # the bias-dropout-add backward, which reads and writes the same tensors.
+        "fork_attn": _memory("fork_attn", "norm", 0.0),
         "norm_attn": _memory("norm_attn", "norm", 2 * t * h, 4.0),
         "qkv": _linear("qkv", t, h, qkv_out),
         "qkv_post": _memory("qkv_post", "rope", post_elements, 1.0),
@@ -153,7 +157,7 @@ def layer_forward_compute(dims: LayerDims) -> dict[str, ComputeOp]:
                                "attn"),
         "proj": _linear("proj", t, q, h),
         "bda_attn": _memory("bda_attn", "norm", 3 * t * h, 2.0),
-        "fork_mlp": _memory("fork_mlp", "norm", 2 * t * h),
+        "fork_mlp": _memory("fork_mlp", "norm", 0.0),
         "norm_mlp": _memory("norm_mlp", "norm", 2 * t * h, 4.0),
         "fc1": _linear("fc1", t, h, 2 * ffn),
         "swiglu": _memory("swiglu", "activation", 3 * t * ffn, 4.0),
@@ -163,15 +167,13 @@ def layer_forward_compute(dims: LayerDims) -> dict[str, ComputeOp]:
 
 def backward_of(op: ComputeOp) -> ComputeOp:
     """The backward kernel of a forward computation kernel (see the module docstring)."""
-    name = f"{op.name}_bwd"
-    if op.kind == "gemm":
-        return ComputeOp(name, "gemm", op.flops * GEMM_BACKWARD_FLOPS, op.hbm_bytes * GEMM_BACKWARD_FLOPS,
-                         op.slot_group)
-    if op.kind == "attention":
-        return ComputeOp(name, "attention", op.flops * ATTENTION_BACKWARD_FLOPS,
-                         op.hbm_bytes * ATTENTION_BACKWARD_BYTES, op.slot_group)
-    return ComputeOp(name, "memory", op.flops * MEMORY_BACKWARD_BYTES, op.hbm_bytes * MEMORY_BACKWARD_BYTES,
-                     op.slot_group)
+    flops, hbm_bytes = {
+        "gemm": (GEMM_BACKWARD_FLOPS, GEMM_BACKWARD_FLOPS),
+        "attention": (ATTENTION_BACKWARD_FLOPS, ATTENTION_BACKWARD_BYTES),
+        "memory": (MEMORY_BACKWARD_BYTES, MEMORY_BACKWARD_BYTES),
+    }[op.kind]
+    return ComputeOp(f"{op.name}_bwd", op.kind, op.flops * flops, op.hbm_bytes * hbm_bytes, op.slot_group,
+                     backward=True)
 
 
 def layer_comms(dims: LayerDims) -> dict[str, CommOp]:

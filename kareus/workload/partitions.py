@@ -186,6 +186,7 @@ class StageWorkload:
     sequential_backward_ops: tuple[Op, ...]
     is_first: bool = False
     is_last: bool = False
+    partition_types: Mapping[str, PartitionType] = field(default_factory=dict, repr=False, compare=False)
 
     def instances(self, direction: str) -> dict[str, int]:
         """Partition type → instances in one instruction of `direction` (backward includes the
@@ -284,13 +285,13 @@ def build_workload(shape: ModelShape, *, tp: int, cp: int, pp: int, seq_len: int
     micro = LayerDims(shape, tp, cp, micro_batch_size, seq_local)
     specs = _type_specs(tp, cp)
     types = {spec.name: _build_type(spec, nano) for spec in specs}
-    stages = tuple(_build_stage(index, count, pp, specs, micro, activation_checkpointing)
+    stages = tuple(_build_stage(index, count, pp, specs, micro, activation_checkpointing, types)
                    for index, count in enumerate(layers))
     return Workload(shape, tp, cp, pp, seq_len, micro_batch_size, activation_checkpointing, types, stages, layers)
 
 
 def _build_stage(index: int, num_layers: int, pp: int, specs: tuple[_TypeSpec, ...], micro: LayerDims,
-                 activation_checkpointing: bool) -> StageWorkload:
+                 activation_checkpointing: bool, types: dict[str, PartitionType]) -> StageWorkload:
     forward = {spec.name: spec.per_layer * num_layers for spec in specs if spec.direction == "forward"}
     backward = {spec.name: spec.per_layer * num_layers for spec in specs if spec.direction == "backward"}
     recompute = dict(forward) if activation_checkpointing else {}
@@ -300,4 +301,4 @@ def _build_stage(index: int, num_layers: int, pp: int, specs: tuple[_TypeSpec, .
     layer_bwd = layer_sequential_backward(micro)
     seq_backward = (layer_fwd + layer_bwd if activation_checkpointing else layer_bwd) * num_layers
     return StageWorkload(index, num_layers, forward, backward, recompute, np_forward,
-                         nonpartition_backward(np_forward), layer_fwd * num_layers, seq_backward, first, last)
+                         nonpartition_backward(np_forward), layer_fwd * num_layers, seq_backward, first, last, types)
