@@ -1,0 +1,273 @@
+"""The partitioned overlap engine: a stage's layers run as partitions over two nanobatches.
+
+A microbatch is split in two nanobatches (NB0, NB1) along the batch dimension. The stage's op
+sequence is cut at its TP all-reduces into *segments*; every segment yields two partitions
+(METHOD_NOTES Part B §1.2): NB0 runs the segment's compute while NB1's all-reduce of the previous
+segment is in flight, then NB1 runs the same compute while NB0's all-reduce of this segment is in
+flight. The partition's *type* (`fwd_attn`, `fwd_mlp`, `bwd_mlp`, `bwd_attn`, plus the trailing
+`fwd_trail`/`bwd_trail`) names its compute run; one `PartitionConfig` per type says at which
+launch slot the collective starts and with how many SMs. Each partition ends with a join.
+
+Backward is executed op by op: in forward every op ran on detached inputs (`OpRecord`), so in
+backward `torch.autograd.grad` of that op alone gives its input and parameter gradients, and the
+schedule — not autograd — decides the order, which is what lets the backward all-reduces (of the
+QKV and FC1 input gradients) overlap the other nanobatch's compute. Gradients flow through named
+channels exactly as activations do in forward.
+
+With activation checkpointing a forward instruction keeps only each nanobatch's stage input; the
+backward instruction re-runs the forward partitions (with the plan's *recompute* configs) and then
+the backward partitions.
+
+`SequentialBlock` is the Megatron-style reference: the whole microbatch, the same op functions,
+blocking all-reduces, ordinary autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kareus.runtime.comm import AllReduceBackward, AllReduceForward, CommHandle, TPComm
+from kareus.runtime.layer_ops import LayerOp, LayerProgram, route_backward
+from kareus.runtime.model import StageModel
+from kareus.workload.partitions import MERGING_GROUPS, PartitionConfig
+
+NUM_NANOBATCHES = 2
+FWD_TRAIL = "fwd_trail"
+BWD_TRAIL = "bwd_trail"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One op of one layer (stage-global layer index)."""
+
+    layer: int
+    op: LayerOp
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A compute run and whether a TP all-reduce of channel `main` follows it."""
+
+    key: str
+    steps: tuple[Step, ...]
+    comm: bool
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return slot_names(tuple(s.op.slot_group for s in self.steps))
+
+    def slot_index(self, slot: str) -> int:
+        """Index of the first op of `slot`; unknown slots (a config for another layout) launch at 0."""
+        slots = self.slots
+        return slots.index(slot) if slot in slots else 0
+
+
+def slot_names(groups: tuple[str, ...]) -> tuple[str, ...]:
+    """Launch-slot names (`norm_0`, `linear_0`, …) of a run of ops given their slot groups: merging
+    groups fold consecutive ops into one slot; each linear/attention op is its own slot."""
+    names: list[str] = []
+    counters: dict[str, int] = {}
+    for i, group in enumerate(groups):
+        if group in MERGING_GROUPS and i > 0 and groups[i - 1] == group:
+            names.append(names[-1])
+            continue
+        counters[group] = counters.get(group, -1) + 1
+        names.append(f"{group}_{counters[group]}")
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Nanobatch `nb` runs `segment`'s compute; the collective of (`comm_nb`, `comm_segment`)
+    overlaps it (None: no collective)."""
+
+    key: str
+    nb: int
+    segment: int
+    comm_nb: int | None
+    comm_segment: int | None
+
+
+def forward_segments(program: LayerProgram, layers: range) -> tuple[Segment, ...]:
+    segments: list[Segment] = []
+    for i, layer in enumerate(layers):
+        lead = (Step(layer - 1, program.closing),) if i > 0 else ()
+        segments.append(Segment("fwd_attn", lead + tuple(Step(layer, op) for op in program.attention), True))
+        segments.append(Segment("fwd_mlp", tuple(Step(layer, op) for op in program.mlp), True))
+    segments.append(Segment(FWD_TRAIL, (Step(layers[-1], program.closing),), False))
+    return tuple(segments)
+
+
+def backward_segments(program: LayerProgram, layers: range) -> tuple[Segment, ...]:
+    """The forward steps in reverse, cut after the QKV and FC1 input gradients (their all-reduce)."""
+    segments: list[Segment] = []
+    attention = tuple(reversed(program.attention))
+    mlp = tuple(reversed(program.mlp))
+    for i, layer in enumerate(reversed(layers)):
+        # The next layer's input norm + fork lead this layer's MLP backward run.
+        lead = tuple(Step(layer + 1, op) for op in attention[-2:]) if i > 0 else ()
+        run = (*lead, Step(layer, program.closing), *(Step(layer, op) for op in mlp[:4]))
+        segments.append(Segment("bwd_mlp", run, True))
+        segments.append(Segment("bwd_attn", tuple(Step(layer, op) for op in mlp[4:])
+                                + tuple(Step(layer, op) for op in attention[:-2]), True))
+    segments.append(Segment(BWD_TRAIL, tuple(Step(layers[0], op) for op in attention[-2:]), False))
+    return tuple(segments)
+
+
+def partitions_of(segments: tuple[Segment, ...]) -> tuple[Partition, ...]:
+    parts: list[Partition] = []
+    for s, segment in enumerate(segments):
+        previous = s > 0 and segments[s - 1].comm
+        parts.append(Partition(segment.key, 0, s, 1 if previous else None, s - 1 if previous else None))
+        parts.append(Partition(segment.key, 1, s, 0 if segment.comm else None, s if segment.comm else None))
+    return tuple(parts)
+
+
+@dataclass
+class OpRecord:
+    """What backward needs of one executed op: its detached inputs and its outputs."""
+
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+
+
+@dataclass
+class NanoState:
+    """One nanobatch's channels (activations), gradient channels and op records."""
+
+    acts: dict[str, Tensor] = field(default_factory=dict)
+    grads: dict[str, Tensor] = field(default_factory=dict)
+    records: dict[tuple[int, str], OpRecord] = field(default_factory=dict)
+
+
+@dataclass
+class BlockContext:
+    """What a forward instruction leaves for the backward one."""
+
+    mode: str
+    inputs: tuple[Tensor, ...]
+    states: tuple[NanoState, ...] = ()
+    output: Tensor | None = None
+
+
+class PartitionedBlock:
+    """Runs a stage's layers as partitions; see the module docstring."""
+
+    def __init__(self, model: StageModel, comm: TPComm, consts: Mapping[str, Tensor]) -> None:
+        self.model = model
+        self.comm = comm
+        self.consts = consts
+        program = LayerProgram.llama(model.shape.qk_norm)
+        layers = model.layout.layers
+        self.fwd_segments = forward_segments(program, layers)
+        self.bwd_segments = backward_segments(program, layers)
+        self.fwd_partitions = partitions_of(self.fwd_segments)
+        self.bwd_partitions = partitions_of(self.bwd_segments)
+        self.trace: list[tuple[str, ...]] | None = None  # set to a list to record the issue order
+
+    # forward -----------------------------------------------------------------------------------
+    def forward(self, x: Tensor, configs: Mapping[str, PartitionConfig], *, record: bool) -> tuple[Tensor, list]:
+        states = [NanoState(acts={"main": half}) for half in x.chunk(NUM_NANOBATCHES)]
+        with torch.no_grad():
+            self._run(self.fwd_segments, self.fwd_partitions, states, configs, self._forward_step,
+                      record=record)
+        return torch.cat([s.acts["main"] for s in states]), states
+
+    def _forward_step(self, step: Step, state: NanoState, record: bool) -> None:
+        op = step.op
+        inputs = tuple(state.acts[c] for c in op.inputs)
+        params = self.model.layer_params(step.layer, op.params)
+        if record and not op.routing:
+            leaves = tuple(t.detach().requires_grad_() for t in inputs)
+            with torch.enable_grad():
+                outputs = op.fn(self.model.local, params, self.consts, *leaves)
+            state.records[(step.layer, op.name)] = OpRecord(leaves, outputs)
+        else:
+            outputs = op.fn(self.model.local, params, self.consts, *inputs)
+        for channel, tensor in zip(op.outputs, outputs, strict=True):
+            state.acts[channel] = tensor.detach()
+
+    # backward ----------------------------------------------------------------------------------
+    def backward(self, states: list[NanoState], grad_y: Tensor, configs: Mapping[str, PartitionConfig]) -> Tensor:
+        for state, grad in zip(states, grad_y.chunk(NUM_NANOBATCHES), strict=True):
+            state.grads = {"main": grad}
+            state.acts.clear()
+        self._run(self.bwd_segments, self.bwd_partitions, states, configs, self._backward_step, record=False)
+        return torch.cat([s.grads.pop("main") for s in states])
+
+    def _backward_step(self, step: Step, state: NanoState, record: bool) -> None:
+        op = step.op
+        grads_out = [state.grads.pop(c, None) for c in op.outputs]
+        if all(g is None for g in grads_out):
+            return
+        if op.routing:
+            grads_in = route_backward(op, grads_out)
+        else:
+            grads_in = self._op_grads(step, state.records.pop((step.layer, op.name)), grads_out)
+        for channel, grad in zip(op.inputs, grads_in, strict=True):
+            if grad is not None:
+                state.grads[channel] = grad if channel not in state.grads else state.grads[channel] + grad
+
+    def _op_grads(self, step: Step, rec: OpRecord, grads_out: list[Tensor | None]) -> tuple[Tensor | None, ...]:
+        params = self.model.layer_params(step.layer, step.op.params)
+        pairs = [(o, g) for o, g in zip(rec.outputs, grads_out, strict=True) if g is not None]
+        wrt = rec.inputs + params
+        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        for param, grad in zip(params, grads[len(rec.inputs):], strict=True):
+            if grad is not None:
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad += grad
+        return grads[:len(rec.inputs)]
+
+    # the partition loop ------------------------------------------------------------------------
+    def _run(self, segments, partitions, states, configs, run_step, *, record: bool) -> None:
+        channel = "main"
+        for part in partitions:
+            segment = segments[part.segment]
+            config = configs.get(part.key)
+            handle: CommHandle | None = None
+            launch_at = segment.slot_index(config.launch_slot) if config else 0
+            comm_state = states[part.comm_nb] if part.comm_nb is not None else None
+            store = None
+            for i, step in enumerate(segment.steps):
+                if comm_state is not None and i == launch_at:
+                    store = comm_state.acts if run_step == self._forward_step else comm_state.grads
+                    handle = self.comm.launch(store[channel], config.comm_sms if config else None)
+                    self._trace("comm", part.key, str(part.comm_nb), str(part.comm_segment), str(i))
+                run_step(step, states[part.nb], record)
+                self._trace("op", part.key, str(part.nb), step.op.name, str(step.layer))
+            if handle is not None:
+                handle.join()
+
+    def _trace(self, *event: str) -> None:
+        if self.trace is not None:
+            self.trace.append(event)
+
+
+class SequentialBlock:
+    """Megatron-style execution of the whole microbatch with standard autograd (the reference)."""
+
+    def __init__(self, model: StageModel, comm: TPComm, consts: Mapping[str, Tensor]) -> None:
+        self.model = model
+        self.comm = comm
+        self.consts = consts
+        self.program = LayerProgram.llama(model.shape.qk_norm)
+
+    def forward(self, x: Tensor) -> Tensor:
+        acts = {"main": x}
+        for layer in self.model.layout.layers:
+            for op in self.program.forward_ops():
+                inputs = [acts[c] for c in op.inputs]
+                if op.name in ("qkv", "fc1"):
+                    inputs[0] = AllReduceBackward.apply(inputs[0], self.comm)
+                outputs = op.fn(self.model.local, self.model.layer_params(layer, op.params), self.consts, *inputs)
+                if op.name in ("proj", "fc2"):
+                    outputs = (AllReduceForward.apply(outputs[0], self.comm),)
+                acts.update(zip(op.outputs, outputs, strict=True))
+        return acts["main"]

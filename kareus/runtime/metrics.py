@@ -1,0 +1,89 @@
+"""Progress and metrics of a training run.
+
+`StepRecord` is one iteration as rank 0 writes it to `DIR/train.jsonl` (one JSON object per line:
+step, loss, iteration_time_s, energy_j, tokens, tokens_per_joule, clock summary, …).
+`MetricsExporter` is the rank-local Prometheus endpoint with the worker metrics of
+`kareus.metric_names`, served from its own registry (no global state), labelled with the rank and
+stage. Port 0 picks a free port (`exporter.port` says which); no port, no endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO
+
+from kareus import metric_names
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One iteration of the whole job (energy summed over all GPUs)."""
+
+    step: int
+    loss: float
+    iteration_time_s: float
+    energy_j: float
+    tokens: int
+    tokens_per_joule: float
+    modelled_time_s: float | None
+    energy_source: str
+    clock_mhz: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+class JsonlWriter:
+    """Appends `StepRecord`s to a file, one line each, flushed per step (a reader can follow it)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file: IO[str] = path.open("w")
+
+    def write(self, record: StepRecord) -> None:
+        self._file.write(record.to_json() + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class MetricsExporter:
+    """Rank-local Prometheus endpoint for the worker metrics."""
+
+    def __init__(self, port: int, *, addr: str = "0.0.0.0", rank: int = 0, stage: int = 0,
+                 job: str = "", plan: dict[str, str] | None = None) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        labels = {"rank": str(rank), "stage": str(stage), "kareusjob": job}
+        names = list(labels)
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, [*names, *extra], registry=self.registry)
+
+        self._time = gauge(metric_names.ITERATION_SECONDS, "Wall time of the last training iteration.").labels(**labels)
+        self._energy = gauge(metric_names.ITERATION_ENERGY_JOULES,
+                             "Energy of the last iteration: this rank's GPU (scope=gpu) and the whole job (scope=job).",
+                             ("scope",))
+        self._energy_gpu = self._energy.labels(**labels, scope="gpu")
+        self._energy_job = self._energy.labels(**labels, scope="job")
+        self._tpj = gauge(metric_names.TOKENS_PER_JOULE, "Tokens trained per joule in the last iteration.").labels(**labels)
+        plan = plan or {}
+        info = gauge(metric_names.PLAN_INFO, "The plan this worker follows (value 1).", tuple(plan))
+        info.labels(**labels, **plan).set(1)
+        self.server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.port = int(self.server.server_port)
+
+    def observe(self, record: StepRecord, gpu_energy_j: float) -> None:
+        self._time.set(record.iteration_time_s)
+        self._energy_gpu.set(gpu_energy_j)
+        self._energy_job.set(record.energy_j)
+        self._tpj.set(record.tokens_per_joule)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,156 @@
+"""Where a rank sits in the TP × PP × DP grid, its process groups, and how ranks start.
+
+Rank order is tensor-parallel fastest, then pipeline, then data:
+`rank = (dp_rank · pp + pp_rank) · tp + tp_rank`, so a TP group is a run of consecutive ranks
+(one node's GPUs in the usual layout). `init_distributed` reads the torchrun environment (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or takes a store from `spawn_local`, which starts
+N CPU processes on this machine (gloo over loopback, a file store: no TCP port to pick). With one
+process and no environment nothing is initialised and every collective is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kareus.errors import KareusError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes of a job; `world_size = tp · pp · dp`."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of `rank`."""
+        return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        return [tuple(self.rank_of(d, p, t) for t in range(self.tp)) for d in range(self.dp) for p in range(self.pp)]
+
+    def dp_groups(self) -> list[tuple[int, ...]]:
+        return [tuple(self.rank_of(d, p, t) for d in range(self.dp)) for p in range(self.pp) for t in range(self.tp)]
+
+    def end_groups(self) -> list[tuple[int, ...]]:
+        """First and last stage ranks that share a tied embedding."""
+        return [(self.rank_of(d, 0, t), self.rank_of(d, self.pp - 1, t)) for d in range(self.dp)
+                for t in range(self.tp)]
+
+
+@dataclass
+class DistContext:
+    """This rank's place and groups. Groups are None when they have a single member."""
+
+    layout: Layout
+    rank: int
+    device: torch.device
+    tp_group: object | None = None
+    dp_group: object | None = None
+    end_group: object | None = None
+    tp_ranks: tuple[int, ...] = (0,)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.coords(self.rank)[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.coords(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coords(self.rank)[2]
+
+    @property
+    def distributed(self) -> bool:
+        return self.layout.world_size > 1
+
+    def neighbour(self, offset: int) -> int:
+        dp_rank, pp_rank, tp_rank = self.layout.coords(self.rank)
+        return self.layout.rank_of(dp_rank, pp_rank + offset, tp_rank)
+
+
+def init_distributed(layout: Layout, *, rank: int | None = None, store: object | None = None,
+                     device: str = "auto") -> DistContext:
+    """Join (or skip, for one process) the process group and create the TP/DP/embedding groups."""
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    if store is None and env_world != layout.world_size and (env_world > 1 or layout.world_size > 1):
+        raise KareusError(f"WORLD_SIZE is {env_world} but the job needs tensor×pipeline×data = "
+                          f"{layout.tp}×{layout.pp}×{layout.dp} = {layout.world_size} processes")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank % max(torch.cuda.device_count(), 1))))
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    ctx = DistContext(layout, rank, dev)
+    if layout.world_size == 1:
+        return ctx
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        kwargs = {"store": store} if store is not None else {"init_method": "env://"}
+        dist.init_process_group(backend, rank=rank, world_size=layout.world_size, **kwargs)
+    ctx.tp_group, ctx.tp_ranks = _my_group(layout.tp_groups(), rank)
+    ctx.dp_group, _ = _my_group(layout.dp_groups(), rank)
+    if layout.pp > 1:
+        ctx.end_group, _ = _my_group(layout.end_groups(), rank)
+    return ctx
+
+
+def _my_group(all_ranks: list[tuple[int, ...]], rank: int) -> tuple[object | None, tuple[int, ...]]:
+    """Create every group (collective: all ranks, same order) and return this rank's."""
+    mine: object | None = None
+    my_ranks: tuple[int, ...] = (rank,)
+    for ranks in all_ranks:
+        group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine, my_ranks = group, ranks
+    return mine, my_ranks
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def spawn_local(nproc: int, fn: Callable, *args) -> None:
+    """Run `fn(rank, store, *args)` in `nproc` fresh CPU processes joined by a file store.
+
+    Gloo is pinned to the loopback interface so nothing listens beyond this machine.
+    """
+    if nproc < 1:
+        raise KareusError(f"--nproc must be >= 1, got {nproc}")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory(prefix="kareus-spawn-") as tmp:
+        mp.spawn(_spawned, args=(nproc, str(Path(tmp) / "store"), fn, args), nprocs=nproc, join=True)
+
+
+def _spawned(rank: int, nproc: int, store_path: str, fn: Callable, args: tuple) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(var, None)
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, nproc)
+    try:
+        fn(rank, store, *args)
+    finally:
+        shutdown()

@@ -1,0 +1,168 @@
+"""One pipeline stage executing its instructions for one iteration.
+
+The stage walks its instruction list through a `PlanFollower` (clock requests ahead, configs of
+the running instruction). A forward receives its activation from the previous stage (or embeds
+the tokens), runs the block in the instruction's mode and sends the result on (or computes the
+loss); a backward receives the output gradient (or differentiates the loss), runs the block
+backward and sends the input gradient back (or finishes in the embedding). Sends are
+non-blocking and awaited at the end of the iteration, receives block, so any valid order — the
+synchronous 1F1B of the plan — runs without deadlock.
+
+Activation checkpointing: a forward keeps only its input; the backward recomputes (partitioned:
+with the instruction's recompute configs). Without it, the forward keeps op records (partitioned)
+or the autograd graph (sequential), and the backward uses the forward's mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kareus.runtime.comm import TPComm
+from kareus.runtime.engine import BlockContext, PartitionedBlock, SequentialBlock
+from kareus.runtime.follower import PlanFollower
+from kareus.runtime.layer_ops import rope_tables
+from kareus.runtime.model import StageModel
+from kareus.runtime.parallel import DistContext
+from kareus.runtime.schedule import RunInstruction
+
+ACTIVATION_TAG = 1
+GRADIENT_TAG = 2
+
+
+@dataclass
+class _Microbatch:
+    tokens: Tensor
+    targets: Tensor
+    block: BlockContext | None = None
+    embedded: Tensor | None = None  # first stage: embedding output with its graph
+    head_input: Tensor | None = None  # last stage: block output leaf
+    loss: Tensor | None = None
+
+
+@dataclass
+class StageExecutor:
+    model: StageModel
+    dist_ctx: DistContext
+    comm: TPComm
+    follower: PlanFollower
+    seq_len: int
+    micro_batch_size: int
+    activation_checkpointing: bool = True
+    _sends: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        shape = self.model.shape
+        device = self.dist_ctx.device
+        dtype = next(iter(self.model.parameters())).dtype
+        cos, sin = rope_tables(self.seq_len, shape.head_dim, shape.rope_theta, device, dtype)
+        consts = {"rope_cos": cos, "rope_sin": sin}
+        self.partitioned = PartitionedBlock(self.model, self.comm, consts)
+        self.sequential = SequentialBlock(self.model, self.comm, consts)
+        self.activation_shape = (self.micro_batch_size, self.seq_len, shape.hidden_size)
+        self.dtype = dtype
+
+    def run(self, batches: list[tuple[Tensor, Tensor]], loss_scale: float, step: int | None = None) -> float:
+        """One iteration; returns the sum of this stage's (scaled) microbatch losses (0 if not last)."""
+        mbs = [_Microbatch(tokens, targets) for tokens, targets in batches]
+        self.follower.on_step_begin(step)
+        total = 0.0
+        for ins in self.follower.instructions:
+            self.follower.on_instruction_begin(ins.kind, ins.microbatch)
+            if ins.kind == "forward":
+                self._forward(ins, mbs[ins.microbatch], loss_scale)
+            else:
+                total += self._backward(ins, mbs[ins.microbatch])
+            self.follower.on_instruction_end(ins.kind)
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
+        return total
+
+    # forward -----------------------------------------------------------------------------------
+    def _forward(self, ins: RunInstruction, mb: _Microbatch, loss_scale: float) -> None:
+        layout = self.model.layout
+        if layout.is_first:
+            mb.embedded = self.model.embed(mb.tokens)
+            x = mb.embedded.detach()
+        else:
+            x = self._recv(self.dist_ctx.neighbour(-1), ACTIVATION_TAG)
+        y = self._block_forward(ins, x, mb)
+        if layout.is_last:
+            mb.head_input = y.detach().requires_grad_()
+            mb.loss = self.model.head_loss(mb.head_input, mb.targets, loss_scale)
+        else:
+            self._send(y, self.dist_ctx.neighbour(1), ACTIVATION_TAG)
+
+    def _block_forward(self, ins: RunInstruction, x: Tensor, mb: _Microbatch) -> Tensor:
+        keep = not self.activation_checkpointing
+        if ins.mode == "partitioned":
+            y, states = self.partitioned.forward(x, ins.configs, record=keep)
+            mb.block = BlockContext("partitioned", (x,), tuple(states) if keep else ())
+            return y
+        if keep:
+            leaf = x.detach().requires_grad_()
+            with torch.enable_grad():
+                out = self.sequential.forward(leaf)
+            mb.block = BlockContext("sequential", (leaf,), output=out)
+            return out.detach()
+        with torch.no_grad():
+            y = self.sequential.forward(x)
+        mb.block = BlockContext("sequential", (x,))
+        return y
+
+    # backward ----------------------------------------------------------------------------------
+    def _backward(self, ins: RunInstruction, mb: _Microbatch) -> float:
+        layout = self.model.layout
+        loss_value = 0.0
+        if layout.is_last:
+            mb.loss.backward()
+            loss_value = float(mb.loss.detach())
+            grad_y = mb.head_input.grad
+        else:
+            grad_y = self._recv(self.dist_ctx.neighbour(1), GRADIENT_TAG)
+        grad_x = self._block_backward(ins, mb.block, grad_y)
+        if layout.is_first:
+            mb.embedded.backward(grad_x)
+        else:
+            self._send(grad_x, self.dist_ctx.neighbour(-1), GRADIENT_TAG)
+        mb.block = mb.embedded = mb.head_input = mb.loss = None
+        return loss_value
+
+    def _block_backward(self, ins: RunInstruction, block: BlockContext, grad_y: Tensor) -> Tensor:
+        if self.activation_checkpointing:
+            x = block.inputs[0]
+            if ins.mode == "partitioned":
+                _, states = self.partitioned.forward(x, ins.recompute_configs, record=True)
+                return self.partitioned.backward(states, grad_y, ins.configs)
+            leaf = x.detach().requires_grad_()
+            with torch.enable_grad():
+                out = self.sequential.forward(leaf)
+            torch.autograd.backward(out, grad_y)
+            return leaf.grad
+        if block.mode == "partitioned":
+            return self.partitioned.backward(list(block.states), grad_y, ins.configs)
+        torch.autograd.backward(block.output, grad_y)
+        return block.inputs[0].grad
+
+    # point to point ----------------------------------------------------------------------------
+    def _send(self, tensor: Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        self._sends.append(_Pending(dist.isend(tensor, dst, tag=tag), tensor))
+
+    def _recv(self, src: int, tag: int) -> Tensor:
+        buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.dist_ctx.device)
+        dist.irecv(buffer, src, tag=tag).wait()
+        return buffer
+
+
+@dataclass
+class _Pending:
+    work: object
+    tensor: Tensor  # kept alive until the send completes
+
+    def wait(self) -> None:
+        self.work.wait()
