@@ -67,7 +67,7 @@ class SimBackend(ProfilerBackend):
         self.simulator = Simulator(self.spec, noise_std=noise_std, seed=seed)
 
     def supported_clocks_mhz(self) -> tuple[int, ...]:
-        return tuple(int(clock) for clock in self.spec.supported_clocks_mhz())
+        return tuple(int(clock) for clock in self.spec.supported_clocks_mhz)
 
     def measure_partitions(self, ptype: PartitionType,
                            candidates: Sequence[Candidate]) -> list[tuple[float, float]]:

@@ -95,6 +95,7 @@ def partition_problem(ptype: PartitionType, clocks_mhz: tuple[int, ...], backend
         if missing:  # the whole missing batch at once, so the backend can run it in parallel
             for c, (time_s, energy_j) in zip(missing, backend.measure_partitions(ptype, missing), strict=True):
                 store.add_partition((ptype.name, c.clock_mhz, c.comm_sms, c.launch_slot), time_s, energy_j)
+            store.sync()
         return [store.partitions[key] for key in keys]
 
     return Problem(ptype.name, space, measure, backend.p_static_w, ptype.size_class)
@@ -125,8 +126,9 @@ def profile_job(job_spec: Any, *, backend: str | ProfilerBackend = "sim", preset
     with device:
         clocks = clock_grid(device.supported_clocks_mhz())
         store = ProfileStore(store_path, key, {"gpu": device.gpu_name, "version": __version__})
-        partitions = _search_partitions(workload, clocks, device, store, algorithm, seed, progress)
-        tables = {what: _sweep_work(what, workload, clocks, device, store) for what in WORK_KINDS}
+        with store:
+            partitions = _search_partitions(workload, clocks, device, store, algorithm, seed, progress)
+            tables = {what: _sweep_work(what, workload, clocks, device, store) for what in WORK_KINDS}
     return ProfileDocument(
         key=key,
         gpu=device.gpu_name,

@@ -1,7 +1,7 @@
 """The profile store: an append-only JSON-lines log of measurements, one file per profile key.
 
-Every measurement is appended (and flushed to disk) the moment it is taken, before the search sees
-it. A profiling run that is killed loses at most the candidate being measured; rerunning replays the
+Every measurement is appended (written through to the OS at once, fsync'ed after every batch) the
+moment it is taken, before the search sees it. A profiling run that is killed loses at most the candidate being measured; rerunning replays the
 search, and every candidate already in the log is answered from it instead of being measured again.
 Because the searches are deterministic for a given seed and given measurements, the replay makes the
 same choices and continues exactly where the killed run stopped. The log also lets a later job with
@@ -36,6 +36,7 @@ class ProfileStore:
         self.partitions: dict[PartitionKey, tuple[float, float]] = {}
         self.work: dict[WorkKey, tuple[float, float]] = {}
         self.loaded = 0
+        self._log: Any = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.exists():
@@ -76,11 +77,28 @@ class ProfileStore:
     def _append(self, record: Mapping[str, Any]) -> None:
         if self.path is None:
             return
-        line = json.dumps(record, separators=(",", ":")) + "\n"
-        with self.path.open("a") as log:
-            log.write(line)
-            log.flush()
-            os.fsync(log.fileno())
+        if self._log is None:
+            self._log = self.path.open("a")
+        # Written through to the kernel at once: a killed process loses nothing already measured.
+        self._log.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._log.flush()
+
+    def sync(self) -> None:
+        """Make everything appended so far durable (also against a machine crash)."""
+        if self._log is not None:
+            os.fsync(self._log.fileno())
+
+    def close(self) -> None:
+        if self._log is not None:
+            self.sync()
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ProfileStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def add_partition(self, key: PartitionKey, time_s: float, energy_j: float) -> None:
         partition_type, clock_mhz, comm_sms, launch_slot = key

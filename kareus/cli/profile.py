@@ -1,0 +1,68 @@
+"""`kareus profile JOB.yaml --out PROFILE.json`: measure every partition type of a job.
+
+Runs the per-partition searches and per-clock sweeps (`kareus.profiler.profile_job`) on the
+simulated GPU or on the real GPUs through NVML and writes the profile document. With `--store DIR`
+every measurement is logged as it is taken, so a killed run resumes where it stopped and a later
+job with the same profile key measures nothing again. The progress bar shows candidates measured,
+the current partition's front hypervolume and the time left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from kareus.errors import KareusError
+from kareus.optimizer.mbo.algorithms import PRESETS
+from kareus.profiler.profile import BACKENDS, ProfileProgress, profile_job
+from kareus.spec import load_job
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("profile", help="measure every partition type of a job",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("job", metavar="JOB.yaml", help="KareusJob manifest")
+    parser.add_argument("--out", required=True, metavar="PROFILE.json", help="where to write the profile document")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="sim (simulated GPU), nvml (real GPUs) or auto; default: spec.profiling.backend")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="search preset; default: spec.profiling.preset")
+    parser.add_argument("--store", metavar="DIR", default=None, help="measurement log directory (resumable)")
+    parser.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
+    parser.add_argument("--noise", type=float, default=0.0, metavar="STD",
+                        help="relative measurement noise of the simulated GPU (default 0)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.noise < 0:
+        raise KareusError(f"--noise: must be >= 0, got {args.noise}")
+    job = load_job(args.job)
+    profiling = job.spec.profiling
+    backend = args.backend or profiling.backend
+    preset = args.preset or profiling.preset
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("HV {task.fields[hv]:.3f}"), TimeRemainingColumn(),
+                  console=console, disable=args.quiet or not console.is_terminal) as bar:
+        task = bar.add_task("profiling", total=None, hv=0.0)
+
+        def show(progress: ProfileProgress) -> None:
+            bar.update(task, completed=progress.evaluations, total=progress.planned, hv=progress.hypervolume,
+                       description=f"{progress.partition} ({progress.types_done + 1}/{progress.types_total})")
+
+        document = profile_job(job, backend=backend, preset=preset, seed=args.seed, store_path=args.store,
+                               progress=show, noise_std=args.noise)
+    document.save(args.out)
+    elapsed = time.perf_counter() - started
+    grid = sum(p.grid_size for p in document.partitions.values())
+    print(f"profile {document.key}: {len(document.partitions)} partition types, {document.evaluations} of "
+          f"{grid} candidates measured, {len(document.clocks_mhz)} clocks, {elapsed:.1f} s → {args.out}",
+          file=sys.stdout)
+    return 0
