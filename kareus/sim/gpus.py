@@ -55,6 +55,14 @@ class GPUSpec:
         return tuple(range(self.clock_max_mhz, self.clock_min_mhz - 1, -self.clock_step_mhz))
 
     @property
+    def search_clocks_mhz(self) -> tuple[int, ...]:
+        """The paper's clock grid: the maximum clock down in 30 MHz steps to ~64 % of it (A100:
+        1410..900, 18 values; lower clocks no longer save energy), highest first."""
+        floor = max(self.clock_min_mhz, 0.635 * self.clock_max_mhz)
+        step = 2 * self.clock_step_mhz
+        return tuple(clock for clock in range(self.clock_max_mhz, self.clock_min_mhz - 1, -step) if clock >= floor)
+
+    @property
     def flops_per_sm_cycle(self) -> float:
         """Dense bf16 FLOPs one SM retires per clock cycle."""
         return self.bf16_dense_tflops_at_max * 1e12 / (self.sms * self.clock_max_mhz * 1e6)
