@@ -80,7 +80,7 @@ def decode_body(body: bytes) -> dict[str, Any]:
     """Parse a frame body into a JSON object (not a list, number or string)."""
     try:
         message = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:  # deep nesting is a RecursionError
         raise ProtocolError(E_INVALID, f"frame is not UTF-8 JSON: {error}") from None
     if not isinstance(message, dict):
         raise ProtocolError(E_INVALID, f"frame must be a JSON object, got {type(message).__name__}")

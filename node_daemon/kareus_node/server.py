@@ -212,7 +212,8 @@ class Daemon:
         request_id = 0
         try:
             message = protocol.decode_body(body)
-            request_id = message.get("id", 0) if isinstance(message.get("id"), int) else 0
+            raw_id = message.get("id", 0)
+            request_id = raw_id if type(raw_id) is int and 0 <= raw_id < 2**53 else 0
             request_id, op = protocol.check_request(message)
             reply = await getattr(self, f"_op_{op}")(session, request_id, message)
             result = "dry_run" if self.config.dry_run and op in ("lock", "next", "reset") else "ok"
@@ -251,6 +252,7 @@ class Daemon:
     async def _op_lock(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
         uuids = self._gpu_list(message)
         clock_mhz = _int_field(message, "clock_mhz")
+        _wait_field(message)
         grant = await self._grant(session)
         for uuid in uuids:
             self._check_control(session, grant, uuid, (clock_mhz,))
@@ -259,6 +261,7 @@ class Daemon:
 
     async def _op_reset(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
         uuids = self._gpu_list(message)
+        _wait_field(message)
         for uuid in uuids:
             lease = self.leases.get(uuid)
             if lease is not None and lease.session_id != session.id:
@@ -291,6 +294,7 @@ class Daemon:
         return protocol.ok_reply(request_id, length=len(clocks))
 
     async def _op_next(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        _wait_field(message)
         if not session.schedules:
             raise _invalid("next: no schedule was uploaded on this connection")
         grant = await self._grant(session)
@@ -395,9 +399,7 @@ class Daemon:
             self._release(session, session.leases, why)
 
     async def _answer_after(self, request_id: int, message: dict[str, Any], uuids: list[str], tickets: list[int]) -> dict[str, Any]:
-        wait = message.get("wait", False)
-        if not isinstance(wait, bool):
-            raise _invalid("wait: must be true or false")
+        wait = _wait_field(message)
         if wait:
             for uuid, ticket in zip(uuids, tickets, strict=True):
                 if not await asyncio.to_thread(self.workers[uuid].wait_applied, ticket, BLOCKING_WAIT_S):
@@ -437,6 +439,13 @@ def _with_job(owner: Owner, job: str) -> Owner:
     if owner.job:
         return owner
     return Owner(owner.pid, owner.uid, owner.namespace, owner.pod, owner.pod_uid, job)
+
+
+def _wait_field(message: dict[str, Any]) -> bool:
+    wait = message.get("wait", False)
+    if not isinstance(wait, bool):
+        raise _invalid("wait: must be true or false")
+    return wait
 
 
 def _int_field(message: dict[str, Any], name: str) -> int:
