@@ -94,10 +94,11 @@ class NVMLGPU(GPUDevice):
         return current == self._nvml.NVML_DEVICE_MIG_ENABLE
 
 
-def load_pynvml(module: str = "pynvml") -> ModuleType:
-    """Import and initialise NVML; a `KareusError` when the library or the driver is missing."""
+def load_pynvml(module: str | ModuleType = "pynvml") -> ModuleType:
+    """Import (by name, or take the given module: tests pass a fake) and initialise NVML; a
+    `KareusError` when the library or the driver is missing."""
     try:
-        nvml = importlib.import_module(module)
+        nvml = importlib.import_module(module) if isinstance(module, str) else module
     except ImportError as error:
         raise KareusError("NVML backend needs nvidia-ml-py (pip install 'kareus[node]')") from error
     try:
@@ -107,7 +108,7 @@ def load_pynvml(module: str = "pynvml") -> ModuleType:
     return nvml
 
 
-def discover_nvml(module: str = "pynvml") -> list[NVMLGPU]:
+def discover_nvml(module: str | ModuleType = "pynvml") -> list[NVMLGPU]:
     """Every GPU NVML sees, by index."""
     nvml = load_pynvml(module)
     try:

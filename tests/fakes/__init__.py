@@ -1,0 +1,1 @@
+"""Fakes shared by the tests (a stateful `pynvml` stand-in)."""

@@ -1,0 +1,154 @@
+"""The GPU interface: the simulated backend and the NVML backend driven by a fake `pynvml`."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import fake_pynvml
+
+from kareus.errors import KareusError
+from kareus.gpu import GPUDevice, SimulatedGPU, discover, sim_uuid
+from kareus.gpu.nvml import NVMLGPU, discover_nvml
+from kareus.sim import Measurement, get_gpu
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+# -- simulated backend -------------------------------------------------------------------------
+def test_discover_sim_gives_distinct_addressable_gpus() -> None:
+    gpus = discover("sim", count=3, product="NVIDIA-A100-SXM4-40GB")
+    assert [gpu.index for gpu in gpus] == [0, 1, 2]
+    assert all(isinstance(gpu, GPUDevice) for gpu in gpus)
+    assert len({gpu.uuid for gpu in gpus}) == 3 and len({gpu.pci_bus_id for gpu in gpus}) == 3
+    assert all(gpu.uuid.startswith(f"GPU-sim-{gpu.index}-") for gpu in gpus)
+    assert gpus[0].sm_count == 108 and gpus[0].name == "NVIDIA A100-SXM4-40GB"
+    # Deterministic per node: the same node sees the same UUIDs, another node different ones.
+    assert [g.uuid for g in discover("sim", count=3)] == [g.uuid for g in gpus]
+    assert discover("sim", count=1, node="other")[0].uuid != gpus[0].uuid
+    assert sim_uuid("n", "A100-SXM4-40GB", 0) == sim_uuid("n", "A100-SXM4-40GB", 0)
+
+
+def test_sim_lock_is_validated_against_supported_clocks() -> None:
+    gpu = SimulatedGPU("H100-SXM")
+    clocks = gpu.supported_sm_clocks_mhz()
+    assert clocks[0] == 1980 and clocks[-1] == 345 and clocks == tuple(sorted(clocks, reverse=True))
+    gpu.lock_sm_clock(1500, 1500)
+    assert gpu.locked_clock_mhz() == 1500
+    for bad in ((1501, 1501), (1500, 2000), (1600, 1500), (100, 1500)):
+        with pytest.raises(KareusError, match="mhz"):
+            gpu.lock_sm_clock(*bad)
+    assert gpu.locked_clock_mhz() == 1500  # a refused request changes nothing
+    gpu.reset_sm_clock()
+    assert gpu.locked_clock_mhz() is None
+    assert gpu.lock_changes == 2
+
+
+def test_sim_energy_counter_runs_at_idle_power_and_accounts_work() -> None:
+    clock = ManualClock()
+    gpu = SimulatedGPU("A100-SXM4-40GB", clock=clock)
+    idle_w = get_gpu("A100-SXM4-40GB").p_static_w
+    start = gpu.energy_j()
+    clock.now_s += 2.0
+    assert gpu.energy_j() - start == pytest.approx(2.0 * idle_w)
+    assert gpu.power_w() == pytest.approx(idle_w)
+    assert gpu.sm_clock_mhz() == 210  # parked while idle and unlocked
+
+    work = Measurement.from_parts(time_s=1.0, energy_j=300.0, p_static_w=idle_w, exposed_comm_s=0.0,
+                                  avg_clock_mhz=1200.0)
+    before = gpu.energy_j()
+    gpu.account(work)
+    assert gpu.energy_j() - before == pytest.approx(300.0)
+    clock.now_s += 0.5  # still busy: power is the work's, no idle energy is added
+    assert gpu.power_w() == pytest.approx(300.0)
+    assert gpu.sm_clock_mhz() == 1200
+    assert gpu.energy_j() - before == pytest.approx(300.0)
+    clock.now_s += 1.5  # busy until +1.0, idle for the remaining 1.0 s
+    assert gpu.energy_j() - before == pytest.approx(300.0 + idle_w * 1.0)
+    assert gpu.power_w() == pytest.approx(idle_w)
+
+
+def test_sim_lock_persists_across_processes(tmp_path) -> None:
+    first = discover("sim", count=2, state_dir=tmp_path)
+    first[1].lock_sm_clock(1200, 1305)
+    again = discover("sim", count=2, state_dir=tmp_path)  # a restarted daemon
+    assert again[1].locked_clock_mhz() == 1305 and again[1].locked_range_mhz() == (1200, 1305)
+    assert again[0].locked_clock_mhz() is None
+    again[1].reset_sm_clock()
+    assert discover("sim", count=2, state_dir=tmp_path)[1].locked_clock_mhz() is None
+
+
+def test_sim_mig_and_unknown_backend() -> None:
+    gpus = discover("sim", count=2, mig_indices=(1,))
+    assert [g.is_mig_enabled() for g in gpus] == [False, True]
+    assert gpus[1].info().mig_enabled
+    with pytest.raises(KareusError, match="allowed: nvml, sim"):
+        discover("cuda")
+    with pytest.raises(KareusError, match="unknown GPU product"):
+        discover("sim", product="Z100")
+
+
+# -- NVML backend with the fake pynvml ---------------------------------------------------------
+@pytest.fixture
+def nvml():
+    fake_pynvml.reset(count=2)
+    return fake_pynvml
+
+
+def test_nvml_discovery_reads_identity(nvml) -> None:
+    gpus = discover("nvml", module=nvml)
+    assert all(isinstance(g, NVMLGPU) for g in gpus)
+    assert [g.uuid for g in gpus] == [d.uuid for d in nvml.devices()]
+    assert gpus[1].pci_bus_id == "00000000:17:00.0"
+    assert gpus[0].name == "NVIDIA A100-SXM4-40GB" and gpus[0].sm_count == 108
+    assert nvml.calls_of("nvmlInit")
+
+
+def test_nvml_clock_control_and_readings(nvml) -> None:
+    gpu = discover_nvml(nvml)[0]
+    assert gpu.supported_sm_clocks_mhz()[:2] == (1410, 1395)
+    gpu.lock_sm_clock(1200, 1200)
+    assert nvml.devices()[0].locked_mhz == (1200, 1200) and gpu.locked_clock_mhz() == 1200
+    assert gpu.sm_clock_mhz() == 1200
+    with pytest.raises(KareusError, match="min_mhz 1201"):
+        gpu.lock_sm_clock(1201, 1300)
+    assert len(nvml.calls_of("nvmlDeviceSetGpuLockedClocks")) == 1  # validated before NVML is called
+    gpu.reset_sm_clock()
+    assert nvml.devices()[0].locked_mhz is None and gpu.locked_clock_mhz() is None
+
+    nvml.devices()[0].power_w = 250.0
+    start = gpu.energy_j()
+    nvml.advance(2.0)
+    assert gpu.energy_j() - start == pytest.approx(500.0)
+    assert gpu.power_w() == pytest.approx(250.0)
+
+
+def test_nvml_failures_become_kareus_errors(nvml) -> None:
+    gpu = discover_nvml(nvml)[0]
+    nvml.fail("nvmlDeviceSetGpuLockedClocks", nvml.NVML_ERROR_NO_PERMISSION)
+    with pytest.raises(KareusError, match=r"nvmlDeviceSetGpuLockedClocks failed on GPU-fake-0000.*Insufficient"):
+        gpu.lock_sm_clock(1200, 1200)
+    assert gpu.locked_clock_mhz() is None  # nothing recorded when NVML refused
+    gpu.lock_sm_clock(1200, 1200)  # the injected failure was one-shot
+    assert gpu.locked_clock_mhz() == 1200
+
+
+def test_nvml_mig_mode(nvml) -> None:
+    devices = nvml.devices()
+    devices[0].mig_enabled = True
+    devices[1].mig_supported = False
+    gpus = discover_nvml(nvml)
+    assert gpus[0].is_mig_enabled() is True
+    assert gpus[1].is_mig_enabled() is False  # NotSupported means "no MIG"
+
+
+def test_nvml_missing_driver_is_a_clear_error(nvml) -> None:
+    nvml.fail_init()
+    with pytest.raises(KareusError, match="NVML is not available"):
+        discover("nvml", module=nvml)
+    with pytest.raises(KareusError, match="nvidia-ml-py"):
+        discover("nvml", module="kareus_no_such_pynvml_module")
