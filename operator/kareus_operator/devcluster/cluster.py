@@ -1,0 +1,247 @@
+"""The dev cluster: API emulator + pod runner + Kareus operator + node daemon, on one machine.
+
+`DevCluster` is the library API (async; `async with DevCluster(workdir) as cluster:`), and
+`DevClusterProcess` runs the same thing as a subprocess (`kareus dev-cluster`) for synchronous tests
+and for people: it writes a kubeconfig that the official `kubernetes` client, kopf and kubectl can
+use, and prints `ready` once the CRD is registered and the operator has been started.
+
+The operator and the node daemon are real subprocesses (`kareus-operator run`, `kareus-node
+--backend sim --standalone`), so a test can kill and restart the operator at any moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import kmock
+import yaml
+
+from kareus_operator.devcluster.emulator import CRD_RESOURCE, NAMESPACES, ApiEmulator
+from kareus_operator.devcluster.podrunner import NODE_NAME, PodRunner
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_CRD = REPO_ROOT / "crds" / "kareusjob.yaml"
+NODES = kmock.resource("", "v1", "nodes")
+DEFAULT_NAMESPACES = ("default", "kareus-system")
+DAEMON_SOCKET_DIR = "/var/run/kareus"  # hostPath on the node; under the dev node's host root here
+
+
+def write_kubeconfig(path: Path, server: str, token: str) -> None:
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "kareus-dev",
+        "clusters": [{"name": "kareus-dev", "cluster": {"server": server}}],
+        "users": [{"name": "kareus-dev-admin", "user": {"token": token}}],
+        "contexts": [{"name": "kareus-dev", "context": {"cluster": "kareus-dev", "user": "kareus-dev-admin",
+                                                         "namespace": "default"}}],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.chmod(0o600)
+
+
+def crd_validator() -> Any:
+    """B's CRD schema engine (defaults, structural schema, CEL) as the emulator's admission check.
+
+    As the API server does by default, fields the schema does not declare are pruned (dropped
+    silently) rather than rejected; everything else the schema or a CEL rule rejects is a 422.
+    """
+    from kareus_operator import crdschema
+
+    def validate(crd: Mapping[str, Any], obj: dict[str, Any], old: Mapping[str, Any] | None) -> list[str]:
+        stored = crdschema.prepare(dict(crd), obj)
+        version = crdschema.served_version(dict(crd), obj.get("apiVersion"))
+        if version is not None:
+            schema = version["schema"]["openAPIV3Schema"]
+            stored = {**prune_unknown(schema, {k: v for k, v in stored.items() if k != "metadata"}),
+                      "apiVersion": stored.get("apiVersion"), "kind": stored.get("kind"),
+                      "metadata": stored.get("metadata", {})}
+        obj.clear()
+        obj.update(stored)
+        return crdschema.validate_object(dict(crd), obj, dict(old) if old is not None else None)
+
+    return validate
+
+
+def prune_unknown(schema: Mapping[str, Any], value: Any) -> Any:
+    """Drop fields a structural schema does not declare (the API server's pruning)."""
+    if isinstance(value, dict):
+        if schema.get("x-kubernetes-preserve-unknown-fields"):
+            return value
+        properties = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        out = {}
+        for key, item in value.items():
+            sub = properties.get(key, extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                out[key] = prune_unknown(sub, item)
+        return out
+    if isinstance(value, list):
+        return [prune_unknown(schema.get("items") or {}, item) for item in value]
+    return value
+
+
+class DevCluster:
+    """Start/stop everything in this event loop; see the module docstring."""
+
+    def __init__(self, workdir: str | Path, *, kubeconfig: str | Path | None = None,
+                 crd_path: str | Path | None = DEFAULT_CRD, operator: bool = True, node_daemon: bool = True,
+                 operator_args: Sequence[str] = (), operator_env: Mapping[str, str] | None = None,
+                 pod_env: Mapping[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.kubeconfig = Path(kubeconfig) if kubeconfig else self.workdir / "kubeconfig"
+        self.crd_path = Path(crd_path) if crd_path else None
+        self.want_operator, self.want_node_daemon = operator, node_daemon
+        self.operator_args, self.operator_env = list(operator_args), dict(operator_env or {})
+        self.api = ApiEmulator()
+        self.token = self.api.new_token()
+        self.pod_env = dict(pod_env or {})
+        self.server: kmock.Server | None = None
+        self.runner: PodRunner | None = None
+        self.operator_process: subprocess.Popen | None = None
+        self.node_process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return str(self.server.url).rstrip("/")
+
+    @property
+    def host_root(self) -> Path:
+        return self.workdir / "node" / "host"
+
+    async def __aenter__(self) -> DevCluster:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(ImportError):
+            self.api.custom_validator = crd_validator()
+        await self.api.__aenter__()
+        self.server = kmock.Server(self.api)
+        await self.server.__aenter__()
+        self.api.resources.load_bundled()
+        for namespace in DEFAULT_NAMESPACES:
+            await self.api.create(NAMESPACES, None, {"metadata": {"name": namespace}})
+        await self.api.create(NODES, None, {"metadata": {"name": NODE_NAME, "labels": {
+            "kubernetes.io/hostname": NODE_NAME, "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}}})
+        if self.crd_path is not None and self.crd_path.exists():
+            for doc in yaml.safe_load_all(self.crd_path.read_text()):
+                if doc:
+                    await self.api.create(CRD_RESOURCE, None, doc)
+        write_kubeconfig(self.kubeconfig, self.url, self.token)
+        self.runner = PodRunner(self.api, self.workdir / "node", api_url=self.url, host_root=self.host_root,
+                                extra_env=self.pod_env)
+        await self.runner.start()
+        if self.want_node_daemon:
+            self.node_process = self._start_node_daemon()
+        if self.want_operator:
+            self.start_operator()
+
+    def start_operator(self) -> subprocess.Popen:
+        """(Re)start the operator subprocess; its log goes to workdir/operator.log."""
+        env = {**os.environ, **self.operator_env}
+        env.setdefault("KAREUS_OPERATOR_NODE_SOCKET_DIR", DAEMON_SOCKET_DIR)
+        log = open(self.workdir / "operator.log", "ab")  # noqa: SIM115  (owned by the process)
+        self.operator_process = subprocess.Popen(
+            [sys.executable, "-m", "kareus_operator.main", "run", "--kubeconfig", str(self.kubeconfig),
+             *self.operator_args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        return self.operator_process
+
+    def kill_operator(self) -> None:
+        """SIGKILL, as a crashing pod or a node failure would."""
+        _kill(self.operator_process, signal.SIGKILL)
+        self.operator_process = None
+
+    def _start_node_daemon(self) -> subprocess.Popen | None:
+        exe = shutil.which("kareus-node", path=str(Path(sys.executable).parent))
+        if exe is None:
+            return None
+        socket_dir = self.host_root / DAEMON_SOCKET_DIR.lstrip("/")
+        socket_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.workdir / "node-daemon.log", "ab")  # noqa: SIM115
+        process = subprocess.Popen(
+            [exe, "--backend", "sim", "--standalone", "--socket-dir", str(socket_dir)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        return process
+
+    async def stop(self) -> None:
+        _kill(self.operator_process, signal.SIGTERM)
+        _kill(self.node_process, signal.SIGTERM)
+        if self.runner is not None:
+            await self.runner.stop()
+        if self.server is not None:
+            await self.server.__aexit__(None, None, None)
+        await self.api.__aexit__(None, None, None)
+
+
+def _kill(process: subprocess.Popen | None, sig: int) -> None:
+    if process is None or process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+async def serve(workdir: Path, kubeconfig: Path, **options: Any) -> None:
+    """Run a dev cluster until SIGINT/SIGTERM; prints `ready` once it serves."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with DevCluster(workdir, kubeconfig=kubeconfig, **options) as cluster:
+        print(f"API {cluster.url}, kubeconfig {cluster.kubeconfig}", flush=True)
+        print("ready", flush=True)
+        await stop.wait()
+
+
+class DevClusterProcess:
+    """`kareus dev-cluster` as a subprocess, for synchronous callers (tests, scripts)."""
+
+    def __init__(self, workdir: str | Path, *, extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, startup_timeout_s: float = 60.0) -> None:
+        self.workdir = Path(workdir)
+        self.kubeconfig = self.workdir / "kubeconfig"
+        self.extra_args, self.env, self.startup_timeout_s = list(extra_args), dict(env or {}), startup_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> DevClusterProcess:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kareus", "dev-cluster", "--kubeconfig", str(self.kubeconfig),
+             "--workdir", str(self.workdir), *self.extra_args],
+            stdout=subprocess.PIPE, stderr=open(self.workdir / "dev-cluster.log", "ab"),
+            env={**os.environ, **self.env}, start_new_session=True, text=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        assert self.process.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if line.strip() == "ready":
+                return self
+            if not line and self.process.poll() is not None:
+                break
+        self.__exit__()
+        raise RuntimeError(f"dev cluster did not start; see {self.workdir / 'dev-cluster.log'}")
+
+    def __exit__(self, *exc: object) -> None:
+        _kill(self.process, signal.SIGTERM)

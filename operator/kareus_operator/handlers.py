@@ -1,0 +1,125 @@
+"""kopf wiring: thin handlers that route events to the `Reconciler` and write its status.
+
+- every KareusJob event, and a resync timer, reconcile that job;
+- events of pods and ConfigMaps labelled with a job name reconcile their job (children's changes
+  drive progress without polling);
+- a deletion handler (under the `kareus.dev/finalizer`) forgets the job's metrics; the children go
+  with the job through ownerReferences.
+
+One job is reconciled by one task at a time (a lock per job), always from a freshly read body, and
+the status is written only when it changed — so the write's own watch event ends the loop.
+kopf keeps its progress, diff-base and finalizer under the `kareus.dev` prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kareus_operator.kube import Kube, path
+from kareus_operator.metrics import OperatorMetrics
+from kareus_operator.reconcile import Reconciler
+from kareus_operator.settings import LABEL_JOB, PREFIX, Settings
+
+GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+class Controller:
+    """The operator's shared state for one process: client, reconciler, metrics, per-job locks."""
+
+    def __init__(self, kube: Kube, settings: Settings, metrics: OperatorMetrics | None = None) -> None:
+        self.kube, self.settings = kube, settings
+        self.metrics = metrics or OperatorMetrics()
+        self.reconciler = Reconciler(kube, settings, self.metrics)
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._wakeups: dict[tuple[str, str], asyncio.TimerHandle] = {}
+
+    async def reconcile(self, namespace: str, name: str, logger: logging.Logger | Any = None) -> None:
+        key = (namespace, name)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            job = await self.kube.get(path(API_VERSION, PLURAL, namespace, name))
+            if job is None:
+                self._forget(key)
+                return
+            outcome = await self.reconciler.reconcile(job)
+            if outcome is None:
+                return
+            if outcome.delete_job:
+                await self.kube.delete(path(API_VERSION, PLURAL, namespace, name))
+                return
+            old = job.get("status") or {}
+            if outcome.status != old:
+                patch = {k: outcome.status.get(k) for k in set(old) | set(outcome.status)}
+                await self.kube.merge_patch(path(API_VERSION, PLURAL, namespace, name, "status"), {"status": patch})
+            self.metrics.observe(job["metadata"]["uid"], outcome.status["phase"])
+            for type_, reason, message in outcome.events:
+                kopf.event(job, type=type_, reason=reason, message=message[:1024])
+            if outcome.requeue_s is not None:
+                self._wake_later(key, outcome.requeue_s)
+
+    def _wake_later(self, key: tuple[str, str], delay_s: float) -> None:
+        """A precise re-check (backoff end, deadline, TTL) between resync ticks."""
+        if delay_s >= self.settings.resync_s:
+            return  # the resync timer comes first anyway
+        old = self._wakeups.pop(key, None)
+        if old is not None:
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        self._wakeups[key] = loop.call_later(delay_s, lambda: asyncio.ensure_future(self.reconcile(*key)))
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self._locks.pop(key, None)
+        handle = self._wakeups.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+
+    def forget_job(self, body: Mapping[str, Any]) -> None:
+        self.metrics.forget(body["metadata"]["uid"])
+        self._forget((body["metadata"]["namespace"], body["metadata"]["name"]))
+
+
+def configure(settings: kopf.OperatorSettings, resync_s: float) -> None:
+    settings.persistence.finalizer = f"{PREFIX}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration")
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 90
+    settings.networking.request_timeout = 60
+    settings.batching.idle_timeout = 1.0
+
+
+def build_registry(controller: Controller) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    resync_s = controller.settings.resync_s
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    async def job_event(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+        if event.get("type") == "DELETED":
+            controller.forget_job(body)
+            return
+        await controller.reconcile(body.metadata.namespace, body.metadata.name, logger)
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_s, idle=0, registry=registry)
+    async def resync(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+        await controller.reconcile(body.metadata.namespace, body.metadata.name, logger)
+
+    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
+    async def job_deleted(body: kopf.Body, **_: Any) -> None:
+        controller.forget_job(body)
+
+    async def child_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+        job_name = body.metadata.labels.get(LABEL_JOB)
+        if job_name:
+            await controller.reconcile(body.metadata.namespace, job_name, logger)
+
+    kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)(child_event)
+    kopf.on.event("", "v1", "configmaps", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)(child_event)
+    return registry

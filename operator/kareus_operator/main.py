@@ -1,0 +1,102 @@
+"""`kareus-operator`: run the operator (`run`), or the in-pod result publisher (`publish`).
+
+`run` logs in with a kubeconfig (`--kubeconfig`) or the pod's service account, serves metrics on
+`--metrics-port` (127.0.0.1 unless `--metrics-address` says otherwise) and reconciles KareusJobs in
+every namespace or only in `--namespace` ones. Settings come from `KAREUS_OPERATOR_*` variables
+(`kareus_operator.settings`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kareus.errors import KareusError
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from kareus_operator import publish
+
+    parser = argparse.ArgumentParser(prog="kareus-operator", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = commands.add_parser("run", help="reconcile KareusJobs")
+    run.add_argument("--kubeconfig", type=Path, help="kubeconfig file (default: in-cluster service account)")
+    run.add_argument("--context", help="kubeconfig context (default: current)")
+    run.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeatable)")
+    run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    run.add_argument("--metrics-address", default="127.0.0.1")
+    run.add_argument("--verbose", action="store_true")
+    run.set_defaults(func=_run)
+    publish.register(commands)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from kareus_operator.handlers import Controller, build_registry, configure
+    from kareus_operator.kube import Kube, in_cluster_credentials, load_kubeconfig
+    from kareus_operator.settings import Settings
+
+    settings = Settings.from_env()
+    credentials = load_kubeconfig(args.kubeconfig, args.context) if args.kubeconfig else in_cluster_credentials()
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handler call is noise
+    namespaces = args.namespace or list(settings.watch_namespaces)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with Kube(credentials) as kube:
+            controller = Controller(kube, settings)
+            registry = build_registry(controller)
+
+            @kopf.on.login(registry=registry)
+            def login(**_: object) -> kopf.ConnectionInfo:
+                return kopf.ConnectionInfo(server=credentials.server, token=credentials.token,
+                                           ca_path=credentials.ca_file, insecure=credentials.insecure,
+                                           certificate_path=credentials.cert_file,
+                                           private_key_path=credentials.key_file,
+                                           default_namespace=credentials.namespace)
+
+            kopf_settings = kopf.OperatorSettings()
+            configure(kopf_settings, settings.resync_s)
+            if args.metrics_port is not None:
+                from prometheus_client import start_http_server
+
+                server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=controller.metrics.registry)
+                print(f"metrics on http://{args.metrics_address}:{server.server_port}/metrics", flush=True)
+            await kopf.operator(registry=registry, settings=kopf_settings, standalone=True,
+                                clusterwide=not namespaces, namespaces=namespaces, stop_flag=stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KareusError as error:
+        print(f"kareus-operator: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The in-pod step that carries results from a pod to the API: `kareus-operator publish`.
+
+Every Kareus pod runs its phase command under this wrapper:
+
+    kareus-operator publish --configmap NAME --file profile.json=/out/profile.json -- kareus profile ...
+
+It runs the command, and when the command succeeds writes the named files into a ConfigMap (created,
+or merged into an existing one) through the API with the pod's service-account token, exactly as
+it would on a real cluster. With `--follow FILE` (training rank 0) it also publishes a running
+summary of the `train.jsonl` progress log — iterations, energy, average iteration time — every
+`--interval-s` seconds while the command runs, so the operator can fill `status.measured` and
+watch the energy budget. The exit code is the command's.
+
+Only the standard library is used: the training image needs no operator dependencies for this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+PROGRESS_KEY = "progress.json"
+SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def summarise_progress(lines: Sequence[str]) -> dict[str, Any]:
+    """Sum a `train.jsonl` log (one JSON object per step: step, iteration_time_s, energy_j)."""
+    records = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a half-written last line
+        if isinstance(record, dict) and "iteration_time_s" in record:
+            records.append(record)
+    time_s = sum(float(r["iteration_time_s"]) for r in records)
+    energy_j = sum(float(r.get("energy_j") or 0.0) for r in records)
+    return {
+        "iterations": len(records),
+        "energyJoules": round(energy_j, 6),
+        "averageIterationSeconds": round(time_s / len(records), 9) if records else 0.0,
+        "lastStep": int(records[-1].get("step", len(records) - 1)) if records else -1,
+    }
+
+
+class ConfigMapWriter:
+    """Create-or-merge one ConfigMap through the API with the service-account token."""
+
+    def __init__(self, name: str, namespace: str | None, labels: Mapping[str, str],
+                 owner: Mapping[str, Any] | None) -> None:
+        sa = Path(os.environ.get("KAREUS_SERVICEACCOUNT_DIR", SERVICEACCOUNT_DIR))
+        self.token = (sa / "token").read_text().strip()
+        self.namespace = namespace or (sa / "namespace").read_text().strip()
+        self.server = (os.environ.get("KAREUS_API_URL") or
+                       f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}")
+        self.ca_file = str(sa / "ca.crt") if (sa / "ca.crt").exists() else None
+        self.name, self.labels, self.owner = name, dict(labels), owner
+
+    def write(self, data: Mapping[str, str]) -> None:
+        collection = f"/api/v1/namespaces/{self.namespace}/configmaps"
+        metadata: dict[str, Any] = {"name": self.name, "labels": self.labels}
+        if self.owner:
+            metadata["ownerReferences"] = [dict(self.owner)]
+        try:
+            self._send("POST", collection, {"metadata": metadata, "data": dict(data)}, "application/json")
+        except urllib.error.HTTPError as error:
+            if error.code != 409:
+                raise
+            self._send("PATCH", f"{collection}/{self.name}", {"metadata": {"labels": self.labels}, "data": dict(data)},
+                       "application/merge-patch+json")
+
+    def _send(self, method: str, url_path: str, body: Any, content_type: str) -> None:
+        request = urllib.request.Request(
+            self.server.rstrip("/") + url_path, data=json.dumps(body).encode(), method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": content_type})
+        context = None
+        if self.server.startswith("https"):
+            import ssl
+
+            context = ssl.create_default_context(cafile=self.ca_file)
+        with urllib.request.urlopen(request, timeout=30, context=context) as response:
+            response.read()
+
+
+def _follow(path: Path, writer: ConfigMapWriter, interval_s: float, stop: threading.Event) -> None:
+    last: dict[str, Any] | None = None
+    while True:
+        stopping = stop.wait(interval_s)
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        summary = summarise_progress(lines)
+        if summary != last:
+            try:
+                writer.write({PROGRESS_KEY: json.dumps(summary)})
+                last = summary
+            except (urllib.error.URLError, OSError) as error:
+                print(f"kareus-operator publish: progress not published: {error}", file=sys.stderr)
+        if stopping:
+            return
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("publish", help="run a pod command and publish its results to a ConfigMap")
+    parser.add_argument("--configmap", required=True, help="ConfigMap to write")
+    parser.add_argument("--namespace", help="its namespace (default: the pod's)")
+    parser.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--owner", metavar="APIVERSION/KIND/NAME/UID",
+                        help="controller ownerReference (e.g. kareus.dev/v1alpha1/KareusJob/q/UID)")
+    parser.add_argument("--file", action="append", default=[], metavar="KEY=PATH",
+                        help="after success, store PATH's text under KEY")
+    parser.add_argument("--follow", type=Path, help="train.jsonl to summarise while the command runs")
+    parser.add_argument("--interval-s", type=float, default=1.0)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    parser.set_defaults(func=run)
+
+
+def _pairs(items: Sequence[str], flag: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"kareus-operator publish: {flag}: expected KEY=VALUE, got {item!r}")
+        pairs[key] = value
+    return pairs
+
+
+def _owner(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    parts = text.split("/")
+    if len(parts) < 4:
+        raise SystemExit("kareus-operator publish: --owner: expected APIVERSION/KIND/NAME/UID")
+    *api_version, kind, name, uid = parts
+    return {"apiVersion": "/".join(api_version), "kind": kind, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise SystemExit("kareus-operator publish: no command given after --")
+    writer = ConfigMapWriter(args.configmap, args.namespace, _pairs(args.label, "--label"), _owner(args.owner))
+    files = {key: Path(value) for key, value in _pairs(args.file, "--file").items()}
+    child = subprocess.Popen(command)
+    signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+    stop = threading.Event()
+    follower = None
+    if args.follow is not None:
+        follower = threading.Thread(target=_follow, args=(args.follow, writer, args.interval_s, stop), daemon=True)
+        follower.start()
+    code = child.wait()
+    stop.set()
+    if follower is not None:
+        follower.join(timeout=30)
+    if code != 0:
+        return code
+    missing = [str(p) for p in files.values() if not p.exists()]
+    if missing:
+        print(f"kareus-operator publish: the command succeeded but wrote no {', '.join(missing)}", file=sys.stderr)
+        return 1
+    if files:
+        writer.write({key: p.read_text() for key, p in files.items()})
+    return 0

@@ -1,0 +1,92 @@
+"""Every operator knob in one frozen object, read from the environment (the Helm chart sets it).
+
+Pod commands are templates: `{job}` is the job manifest file, `{profile}` the profile document,
+`{plan}` the plan, `{out}` the pod's output directory and `{nproc}` the processes per node. Tests
+and the scale benchmark swap them for fast fake commands; production uses the defaults below, the
+real `kareus profile|optimize|train` entry points.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field
+
+from kareus.errors import KareusError
+
+PREFIX = "kareus.dev"
+LABEL_JOB = f"{PREFIX}/job-name"
+LABEL_JOB_UID = f"{PREFIX}/job-uid"
+LABEL_ROLE = f"{PREFIX}/role"
+LABEL_PROFILE_KEY = f"{PREFIX}/profile-key"
+LABEL_QUEUE = "kueue.x-k8s.io/queue-name"
+ANNOTATION_PLAN_REVISION = f"{PREFIX}/plan-revision"
+
+MOUNT_JOB = "/etc/kareus/job"
+MOUNT_PROFILE = "/etc/kareus/profile"
+MOUNT_PLAN = "/etc/kareus/plan"
+MOUNT_OUT = "/var/kareus/out"
+JOB_FILE = "job.yaml"
+PROFILE_FILE = "profile.json"
+PLAN_FILE = "plan.json"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """See the module docstring; env names are KAREUS_OPERATOR_<FIELD in upper case>."""
+
+    image: str = "ghcr.io/kareus-dev/kareus:0.1.0"
+    profile_command: tuple[str, ...] = ("kareus", "profile", "{job}", "--backend", "{backend}", "--out", "{profile}")
+    optimize_command: tuple[str, ...] = ("kareus", "optimize", "{job}", "--profile", "{profile}", "--out", "{plan}")
+    # Used when the job gives no training.command; the job's command gets the same arguments appended.
+    train_command: tuple[str, ...] = ("kareus", "train")
+    train_args: tuple[str, ...] = ("{job}", "--plan", "{plan}", "--out", "{out}", "--nproc", "{nproc}")
+    publish_command: tuple[str, ...] = ("kareus-operator", "publish")
+    policy_configmap: str = "kareus-policy"
+    policy_namespace: str = "kareus-system"
+    node_socket_dir: str = "/var/run/kareus"
+    service_account: str = "kareus-worker"
+    resync_s: float = 10.0
+    backoff_base_s: float = 10.0
+    backoff_max_s: float = 360.0
+    progress_interval_s: float = 1.0
+    watch_namespaces: tuple[str, ...] = ()
+    extra_pod_env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for name, default in cls.__dataclass_fields__.items():
+            raw = env.get(f"KAREUS_OPERATOR_{name.upper()}")
+            if raw is None:
+                continue
+            values[name] = _parse(name, raw, default.default if default.default is not MISSING else default.default_factory())
+        return cls(**values)
+
+
+def _parse(name: str, raw: str, default: object) -> object:
+    key = f"KAREUS_OPERATOR_{name.upper()}"
+    try:
+        if isinstance(default, tuple):
+            value = json.loads(raw) if raw.startswith("[") else [p for p in raw.split(",") if p]
+            if not all(isinstance(v, str) for v in value):
+                raise ValueError
+            return tuple(value)
+        if isinstance(default, float):
+            number = float(raw)
+            if number <= 0:
+                raise ValueError
+            return number
+        if name == "extra_pod_env":
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError
+            return {str(k): str(v) for k, v in value.items()}
+        return raw
+    except ValueError:
+        allowed = ("a JSON list of strings or a comma-separated list" if isinstance(default, tuple)
+                   else "a positive number" if isinstance(default, float)
+                   else "a JSON object of strings" if name == "extra_pod_env" else "a string")
+        raise KareusError(f"{key}: must be {allowed}, got {raw!r}") from None

@@ -1,0 +1,87 @@
+"""Fast stand-ins for `kareus profile|optimize|train`, for operator tests and the scale benchmark.
+
+They do what the real phases do at the interface the operator sees — write a profile file, a plan
+document with a prediction and frontier rows, a `train.jsonl` progress log — in milliseconds. A
+failure can be injected: `FAKE_FAIL_<PHASE>=N` makes the first N runs of that phase exit 3 (counted
+in `FAKE_STATE_DIR`). `FAKE_STEP_S` is the time per fake training step.
+
+    python tests/operator_fakes.py profile JOB --out PROFILE
+    python tests/operator_fakes.py optimize JOB --profile PROFILE --out PLAN
+    python tests/operator_fakes.py train JOB --plan PLAN --out DIR --nproc N
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = str(Path(__file__).resolve())
+STEP_ENERGY_J = 123.0
+STEP_TIME_S = 0.25
+
+
+def settings_env(state_dir: Path, *, step_s: float = 0.05, fail: dict[str, int] | None = None) -> dict[str, str]:
+    """Operator environment that makes every pod run these fakes."""
+    python = sys.executable
+    env = {
+        "KAREUS_OPERATOR_PROFILE_COMMAND": json.dumps([python, SCRIPT, "profile", "{job}", "--out", "{profile}"]),
+        "KAREUS_OPERATOR_OPTIMIZE_COMMAND": json.dumps([python, SCRIPT, "optimize", "{job}", "--profile", "{profile}",
+                                                        "--out", "{plan}"]),
+        "KAREUS_OPERATOR_TRAIN_COMMAND": json.dumps([python, SCRIPT, "train"]),
+        "KAREUS_OPERATOR_PUBLISH_COMMAND": json.dumps([python, "-m", "kareus_operator.main", "publish"]),
+        "KAREUS_OPERATOR_EXTRA_POD_ENV": json.dumps({"FAKE_STATE_DIR": str(state_dir), "FAKE_STEP_S": str(step_s),
+                                                     **{f"FAKE_FAIL_{k.upper()}": str(v) for k, v in (fail or {}).items()}}),
+        "KAREUS_OPERATOR_RESYNC_S": "2", "KAREUS_OPERATOR_BACKOFF_BASE_S": "0.5",
+        "KAREUS_OPERATOR_PROGRESS_INTERVAL_S": "0.2",
+    }
+    return env
+
+
+def _arg(name: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1]
+
+
+def _maybe_fail(phase: str) -> None:
+    budget = int(os.environ.get(f"FAKE_FAIL_{phase.upper()}", "0"))
+    if budget <= 0:
+        return
+    counter = Path(os.environ["FAKE_STATE_DIR"]) / f"{os.environ.get('KAREUS_JOB_NAME', 'job')}-{phase}.failures"
+    done = int(counter.read_text()) if counter.exists() else 0
+    if done < budget:
+        counter.write_text(str(done + 1))
+        print(f"fake {phase}: injected failure {done + 1}/{budget}", flush=True)
+        sys.exit(3)
+
+
+def main() -> int:
+    phase = sys.argv[1]
+    _maybe_fail(phase)
+    if phase == "profile":
+        Path(_arg("--out")).write_text(json.dumps({"fake": "profile", "job": sys.argv[2]}))
+    elif phase == "optimize":
+        json.loads(Path(_arg("--profile")).read_text())  # the mounted cached profile must be readable
+        plan = {"predicted": {"iteration_time_s": STEP_TIME_S, "iteration_energy_j": STEP_ENERGY_J},
+                "frontier": {"rows": [{"time_s": STEP_TIME_S, "energy_j": STEP_ENERGY_J}] * 3}}
+        Path(_arg("--out")).write_text(json.dumps(plan))
+    elif phase == "train":
+        json.loads(Path(_arg("--plan")).read_text())
+        steps = int(os.environ.get("FAKE_STEPS", "4"))
+        out = Path(_arg("--out"))
+        with open(out / "train.jsonl", "a") as log:
+            for step in range(steps):
+                time.sleep(float(os.environ.get("FAKE_STEP_S", "0.05")))
+                log.write(json.dumps({"step": step, "loss": 1.0 / (step + 1), "iteration_time_s": STEP_TIME_S,
+                                      "energy_j": STEP_ENERGY_J}) + "\n")
+                log.flush()
+    else:
+        print(f"unknown phase {phase}", file=sys.stderr)
+        return 2
+    print(f"fake {phase}: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
