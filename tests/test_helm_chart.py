@@ -1,0 +1,560 @@
+"""The Helm chart, rendered by the real Helm engine (helm-python-sdk embeds Helm's Go SDK).
+
+Each values set is rendered once per module. The tests check that the chart lints clean, that every
+object is valid against the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields
+fail) and the KareusJob examples against the CRD the chart ships, the Pod Security Standards
+(operator restricted; the node agent the only privileged part), that each documented toggle
+changes exactly the objects it should, that values typos fail via values.schema.json, and that
+what the chart renders is what the operator, the node agent and the policy loader actually read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kareus.policy import ClockBounds, load_policy
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk has no wheel for this platform")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "kareus"
+RELEASE, NAMESPACE = "kareus", "kareus-system"
+KUBE_VERSIONS = ("1.29", "1.37")
+Key = tuple[str, str, str]  # kind, namespace, name
+
+POLICY = {
+    "allowedObjectives": ["maxThroughput", "timeBudget"],
+    "defaultObjective": "timeBudget",
+    "maxSlowdownPercent": 10,
+    "clockBounds": {"default": {"floorMHz": 600}, "gpuModels": {"NVIDIA-A100-SXM4-40GB": {"ceilingMHz": 1350}}},
+    "namespaceEnergyBudgets": {"team-a": 5000},
+    "profileReuse": False,
+    "allowedNamespaces": ["team-a", "team-b"],
+}
+# Every documented toggle (docs/install.md), rendered once each.
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "capabilities": {"nodeAgent": {"securityMode": "capabilities"}},
+    "serviceMonitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}}},
+    "podMonitor": {"metrics": {"podMonitor": {"enabled": True}}},
+    "noDashboards": {"grafana": {"dashboards": {"enabled": False}}},
+    "dashboardsElsewhere": {"grafana": {"dashboards": {"namespace": "monitoring",
+                                                       "annotations": {"grafana_folder": "Kareus"}}}},
+    "noCrds": {"crds": {"install": False}},
+    "crdsNotKept": {"crds": {"keep": False}},
+    "policy": {"policy": POLICY},
+    "policySlowdownOnly": {"policy": {"maxSlowdownPercent": 5, "profileReuse": False}},
+    "policyClockBounds": {"policy": {"clockBounds": {"default": {"floorMHz": 900, "ceilingMHz": 1410}}}},
+    "namespaced": {"operator": {"args": {"watchNamespaces": ["team-a", "team-b"]}}},
+    "noNodeAgent": {"nodeAgent": {"enabled": False}},
+    "dryRun": {"nodeAgent": {"dryRun": True}},
+    "agentNamespaceExternal": {"nodeAgent": {"namespace": {"create": False, "name": "gpu-system"}}},
+    "noRbac": {"rbac": {"create": False}},
+}
+MONITORING_GROUP = "monitoring.coreos.com/v1"
+
+
+# ---------------------------------------------------------------- rendering
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(str(CHART)) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def rendered(chart):
+    """Values-set name → {template path → text}; every set is rendered once."""
+    return {name: chart.render(values, name=RELEASE, namespace=NAMESPACE) for name, values in VALUE_SETS.items()}
+
+
+def objects_of(manifests: dict[str, str]) -> dict[Key, dict]:
+    objects: dict[Key, dict] = {}
+    for path, text in manifests.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                key = (doc["kind"], doc["metadata"].get("namespace", ""), doc["metadata"]["name"])
+                assert key not in objects, f"{key} rendered twice"
+                objects[key] = doc
+    return objects
+
+
+@pytest.fixture(scope="module")
+def objects(rendered):
+    return {name: objects_of(manifests) for name, manifests in rendered.items()}
+
+
+def one(objs: dict[Key, dict], kind: str, name_suffix: str = "") -> dict:
+    found = [o for (k, _, n), o in objs.items() if k == kind and n.endswith(name_suffix)]
+    assert len(found) == 1, f"expected one {kind} *{name_suffix}, found {len(found)}"
+    return found[0]
+
+
+def diff(base: dict[Key, dict], other: dict[Key, dict]) -> tuple[set[Key], set[Key], set[Key]]:
+    """(added, removed, changed) object keys from `base` to `other`."""
+    added, removed = set(other) - set(base), set(base) - set(other)
+    changed = {k for k in set(base) & set(other) if base[k] != other[k]}
+    return added, removed, changed
+
+
+def pod_specs(objs: dict[Key, dict]) -> dict[Key, dict]:
+    return {k: o["spec"]["template"]["spec"] for k, o in objs.items() if k[0] in ("Deployment", "DaemonSet")}
+
+
+# ---------------------------------------------------------------- lint and schemas
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_helm_lint_is_clean(name):
+    report = helm.lint(str(CHART), VALUE_SETS[name], strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert problems == [] and report["errors"] == []
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_every_object_is_valid_kubernetes(objects, version):
+    # Each distinct object of every values set, validated once per Kubernetes version.
+    unique = {json.dumps(o, sort_keys=True): o for objs in objects.values() for o in objs.values()
+              if o["apiVersion"] != MONITORING_GROUP}  # prometheus-operator CRDs: see test_monitors_*
+    assert len(unique) > 20
+    for obj in unique.values():
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_schema_validation_catches_a_bad_object():
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
+                  "spec": {"selector": {}, "template": {"spec": {"containers": [{"name": "c", "imagee": "x"}]}}}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSIONS[0], strict=True)
+
+
+def test_default_render_has_the_expected_objects(objects):
+    kinds = sorted(k for k, _, _ in objects["default"])
+    assert kinds.count("CustomResourceDefinition") == 1
+    assert kinds.count("Deployment") == 1 and kinds.count("DaemonSet") == 1
+    assert kinds.count("Namespace") == 1  # the node agent's own namespace
+    assert kinds.count("ConfigMap") == 2 + 3  # policy, node agent config, three dashboards
+    assert kinds.count("Service") == 2
+    assert "ServiceMonitor" not in kinds and "PodMonitor" not in kinds
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"operater": {"replicas": 1}}, "operater"),
+        ({"operator": {"replica": 1}}, "replica"),
+        ({"nodeAgent": {"securityMode": "root"}}, "securityMode"),
+        ({"nodeAgent": {"dryrun": True}}, "dryrun"),
+        ({"metrics": {"serviceMonitor": {"enable": True}}}, "enable"),
+        ({"grafana": {"dashboard": {"enabled": True}}}, "dashboard"),
+        ({"crds": {"instal": False}}, "instal"),
+        ({"policy": {"allowedObjective": ["maxThroughput"]}}, "allowedObjective"),
+        ({"policy": {"allowedObjectives": ["fastest"]}}, "allowedObjectives"),
+        ({"policy": {"clockBounds": {"default": {"floorMhz": 900}}}}, "floorMhz"),
+        ({"policy": {"namespaceEnergyBudgets": {"Team_A": 10}}}, "Team_A"),
+        ({"policy": {"maxSlowdownPercent": "5%"}}, "maxSlowdownPercent"),
+        ({"operator": {"args": {"watchNamespaces": ["Not A Namespace"]}}}, "watchNamespaces"),
+    ],
+)
+def test_values_typo_fails_via_the_schema(chart, values, field):
+    with pytest.raises(helm.HelmValuesError) as info:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert field in str(info.value)
+
+
+# ---------------------------------------------------------------- the CRD
+
+
+def test_chart_crd_copy_is_byte_identical_to_the_repository_crd():
+    # Helm cannot read outside the chart, so the chart carries a copy; refresh it with
+    # `cp crds/kareusjob.yaml helm/kareus/files/kareusjob.crd.yaml`.
+    assert (CHART / "files" / "kareusjob.crd.yaml").read_bytes() == (ROOT / "crds" / "kareusjob.yaml").read_bytes()
+
+
+def test_rendered_crd_is_the_repository_crd_plus_labels_and_keep(objects):
+    source = next(d for d in yaml.safe_load_all((ROOT / "crds" / "kareusjob.yaml").read_text()) if d)
+    crd = one(objects["default"], "CustomResourceDefinition")
+    assert crd["spec"] == source["spec"]
+    assert crd["metadata"]["name"] == source["metadata"]["name"]
+    assert source["metadata"].get("labels", {}).items() <= crd["metadata"]["labels"].items()
+    assert crd["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert "helm.sh/resource-policy" not in one(objects["crdsNotKept"], "CustomResourceDefinition")["metadata"].get(
+        "annotations", {})
+
+
+def test_examples_are_accepted_and_bad_jobs_refused_by_the_shipped_crd(objects):
+    crdschema = pytest.importorskip("kareus_operator.crdschema")
+    crd = one(objects["default"], "CustomResourceDefinition")
+    jobs = [d for path in sorted((ROOT / "examples").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text())
+            if d and d.get("kind") == "KareusJob"]
+    assert jobs
+    for job in jobs:
+        assert crdschema.validate_object(crd, job) == [], job["metadata"]["name"]
+    broken = json.loads(json.dumps(jobs[0]))
+    broken["spec"]["parallelism"]["tensor"] = 0
+    broken["spec"]["objective"] = {"maxThroughput": {}, "timeBudget": {"maxSlowdownPercent": 5}}
+    errors = crdschema.validate_object(crd, broken)
+    assert any("spec.parallelism.tensor" in e for e in errors), errors
+
+
+# ---------------------------------------------------------------- security
+
+
+_RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}
+
+
+def pss_restricted_violations(pod: dict) -> list[str]:
+    """The Pod Security Standards `restricted` profile (Kubernetes 1.29), checked on a pod spec."""
+    problems = [f"spec.{host}" for host in ("hostPID", "hostIPC", "hostNetwork") if pod.get(host)]
+    pod_ctx = pod.get("securityContext", {})
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= _RESTRICTED_VOLUMES:
+            problems.append(f"volume {volume['name']}: {', '.join(sorted(kinds))}")
+    for c in pod.get("containers", []) + pod.get("initContainers", []):
+        ctx = c.get("securityContext", {})
+        where = f"container {c['name']}"
+        if ctx.get("privileged"):
+            problems.append(f"{where}: privileged")
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{where}: allowPrivilegeEscalation not false")
+        if not ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")):
+            problems.append(f"{where}: runAsNonRoot not true")
+        if ctx.get("runAsUser", pod_ctx.get("runAsUser")) == 0:
+            problems.append(f"{where}: runAsUser 0")
+        seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"{where}: seccompProfile {seccomp}")
+        caps = ctx.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            problems.append(f"{where}: capabilities not dropped")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{where}: adds {caps['add']}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            problems.append(f"{where}: hostPort")
+    return problems
+
+
+def test_pss_checker_flags_what_it_should():
+    assert pss_restricted_violations({"containers": [{"name": "c"}]}) == [
+        "container c: allowPrivilegeEscalation not false", "container c: runAsNonRoot not true",
+        "container c: seccompProfile None", "container c: capabilities not dropped"]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_operator_is_restricted_and_only_the_node_agent_is_privileged(objects, name):
+    for (kind, namespace, _), pod in pod_specs(objects[name]).items():
+        problems = pss_restricted_violations(pod)
+        if kind == "Deployment":
+            assert problems == [], problems
+            container = pod["containers"][0]
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True
+            assert pod["securityContext"]["runAsUser"] != 0
+        else:
+            assert kind == "DaemonSet" and namespace == VALUE_SETS[name].get("nodeAgent", {}).get(
+                "namespace", {}).get("name", "kareus-node")
+            assert "spec.hostPID" in problems
+            assert any("hostPath" in p for p in problems)
+
+
+def test_node_agent_namespace_is_labelled_privileged_and_nothing_else_is(objects):
+    namespaces = [o for (k, _, _), o in objects["policy"].items() if k == "Namespace"]
+    assert [n["metadata"]["name"] for n in namespaces] == ["kareus-node"]
+    assert namespaces[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert not any(k == "Namespace" for k, _, _ in objects["agentNamespaceExternal"])
+
+
+def test_security_modes(objects):
+    privileged = one(objects["default"], "DaemonSet")["spec"]["template"]["spec"]
+    ctx = privileged["containers"][0]["securityContext"]
+    assert ctx["privileged"] is True and privileged["hostPID"] is True
+    capable = one(objects["capabilities"], "DaemonSet")["spec"]["template"]["spec"]
+    ctx = capable["containers"][0]["securityContext"]
+    assert ctx["privileged"] is False and ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert ctx["readOnlyRootFilesystem"] is True and capable["hostPID"] is True
+    assert [p for p in pss_restricted_violations(capable) if "privileged" in p] == []
+
+
+def test_node_agent_placement_mounts_and_shutdown(objects):
+    spec = one(objects["default"], "DaemonSet")["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert spec["terminationGracePeriodSeconds"] >= 30
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert host_paths == {"pod-resources": "/var/lib/kubelet/pod-resources", "state": "/var/lib/kareus",
+                          "sockets": "/var/run/kareus"}
+    mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts["pod-resources"]["readOnly"] is True
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+
+
+# ---------------------------------------------------------------- RBAC
+
+
+def rules_of(objs: dict[Key, dict], kind: str) -> list[tuple[str, dict]]:
+    return [(name, rule) for (k, _, name), o in objs.items() if k == kind for rule in o["rules"]]
+
+
+@pytest.mark.parametrize("name", ["default", "namespaced", "policy"])
+def test_rbac_is_least_privilege(objects, name):
+    objs = objects[name]
+    rules = rules_of(objs, "ClusterRole") + rules_of(objs, "Role")
+    assert rules
+    for _, rule in rules:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule.get("apiGroups", [])
+        assert "secrets" not in rule["resources"]
+        assert not {"roles", "rolebindings", "clusterroles", "clusterrolebindings"} & set(rule["resources"])
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+    agent = [r for n, r in rules_of(objs, "ClusterRole") if n.endswith("node-agent")]
+    assert agent == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
+    for n, rule in rules_of(objs, "ClusterRole"):
+        if "kareusjobs" in rule["resources"]:
+            assert rule["verbs"] == ["get", "list", "watch", "patch", "update"]  # never create or delete jobs
+        if n.endswith("-discovery"):
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}
+
+
+def test_watched_namespaces_get_roles_instead_of_cluster_wide_rights(objects):
+    added, removed, _ = diff(objects["default"], objects["namespaced"])
+    assert ("ClusterRole", "", "kareus-operator") in removed
+    assert ("ClusterRoleBinding", "", "kareus-operator") in removed
+    for namespace in ("team-a", "team-b"):
+        assert ("Role", namespace, "kareus-operator") in added
+        assert ("RoleBinding", namespace, "kareus-operator") in added
+        assert ("ServiceAccount", namespace, "kareus-worker") in added
+    policy_role = objects["namespaced"][("Role", NAMESPACE, "kareus-operator-policy")]
+    assert policy_role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"],
+                                     "resourceNames": ["kareus-policy"], "verbs": ["get", "watch"]}]
+
+
+# ---------------------------------------------------------------- toggles change exactly what they should
+
+
+def keys(*items: tuple[str, str, str]) -> set[Key]:
+    return set(items)
+
+
+AGENT_NS = "kareus-node"
+DASHBOARDS = {("ConfigMap", NAMESPACE, f"kareus-dashboard-{n}") for n in ("cluster-energy", "job", "operator")}
+WORKERS = {(kind, ns, "kareus-worker") for ns in ("team-a", "team-b")
+           for kind in ("ServiceAccount", "Role", "RoleBinding")}
+
+
+@pytest.mark.parametrize(
+    ("name", "added", "removed", "changed"),
+    [
+        ("capabilities", set(), set(), keys(("DaemonSet", AGENT_NS, "kareus-node-agent"))),
+        ("serviceMonitor", keys(("ServiceMonitor", NAMESPACE, "kareus-operator"),
+                                ("ServiceMonitor", AGENT_NS, "kareus-node-agent")), set(), set()),
+        ("podMonitor", keys(("PodMonitor", NAMESPACE, "kareus-training")), set(), set()),
+        ("noDashboards", set(), DASHBOARDS, set()),
+        ("dashboardsElsewhere", {(k, "monitoring", n) for k, _, n in DASHBOARDS}, DASHBOARDS, set()),
+        ("noCrds", set(), keys(("CustomResourceDefinition", "", "kareusjobs.kareus.dev")), set()),
+        ("crdsNotKept", set(), set(), keys(("CustomResourceDefinition", "", "kareusjobs.kareus.dev"))),
+        ("policySlowdownOnly", set(), set(), keys(("ConfigMap", NAMESPACE, "kareus-policy"))),
+        # Clock bounds and allowed namespaces are also enforced by the node agent, which reads them at start.
+        ("policyClockBounds", set(), set(), keys(("ConfigMap", NAMESPACE, "kareus-policy"),
+                                                 ("ConfigMap", AGENT_NS, "kareus-node-agent"),
+                                                 ("DaemonSet", AGENT_NS, "kareus-node-agent"))),
+        ("policy", WORKERS, set(), keys(("ConfigMap", NAMESPACE, "kareus-policy"),
+                                        ("ConfigMap", AGENT_NS, "kareus-node-agent"),
+                                        ("DaemonSet", AGENT_NS, "kareus-node-agent"))),
+        ("dryRun", set(), set(), keys(("ConfigMap", AGENT_NS, "kareus-node-agent"),
+                                      ("DaemonSet", AGENT_NS, "kareus-node-agent"))),
+    ],
+)
+def test_toggle_changes_exactly_the_expected_objects(objects, name, added, removed, changed):
+    assert diff(objects["default"], objects[name]) == (added, removed, changed)
+
+
+def test_disabling_the_node_agent_removes_all_of_it(objects):
+    added, removed, changed = diff(objects["default"], objects["noNodeAgent"])
+    assert added == set() and changed == set()
+    assert removed == {("Namespace", "", AGENT_NS), ("ServiceAccount", AGENT_NS, "kareus-node-agent"),
+                       ("ClusterRole", "", "kareus-node-agent"), ("ClusterRoleBinding", "", "kareus-node-agent"),
+                       ("ConfigMap", AGENT_NS, "kareus-node-agent"), ("Service", AGENT_NS, "kareus-node-agent-metrics"),
+                       ("DaemonSet", AGENT_NS, "kareus-node-agent")}
+
+
+def test_rbac_create_false_removes_only_rbac(objects):
+    added, removed, changed = diff(objects["default"], objects["noRbac"])
+    assert added == set() and changed == set()
+    assert {k for k, _, _ in removed} == {"ClusterRole", "ClusterRoleBinding"}
+
+
+# ---------------------------------------------------------------- what the components read
+
+
+def policy_document(objs: dict[Key, dict]) -> str:
+    return objs[("ConfigMap", NAMESPACE, "kareus-policy")]["data"]["policy.yaml"]
+
+
+def test_policy_configmap_parses_with_the_operator_loader(objects):
+    assert load_policy(policy_document(objects["default"])) == load_policy(None)
+    policy = load_policy(policy_document(objects["policy"]))
+    assert policy == load_policy(POLICY)
+    assert policy.default_objective == "timeBudget" and policy.max_slowdown_percent == 10
+    assert policy.clock_bounds_for("A100-SXM4-40GB") == ClockBounds(600, 1350)
+    assert policy.energy_budget_kwh("team-a") == 5000 and not policy.profile_reuse
+    assert policy.allowed_namespaces == {"team-a", "team-b"}
+
+
+def test_operator_settings_and_flags_are_what_the_operator_reads(objects, monkeypatch):
+    settings_module = pytest.importorskip("kareus_operator.settings")
+    main = pytest.importorskip("kareus_operator.main")
+    for name in ("default", "namespaced"):
+        deployment = one(objects[name], "Deployment")
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("KAREUS_OPERATOR_")}
+        settings = settings_module.Settings.from_env(env)
+        assert settings.policy_configmap == "kareus-policy" and settings.policy_namespace == NAMESPACE
+        assert settings.node_socket_dir == "/var/run/kareus"
+        assert settings.image == "ghcr.io/kareus-dev/kareus-runtime:0.1.0"
+        assert settings.service_account == "kareus-worker"
+        args = main._build_parser().parse_args(container["args"])
+        assert container["command"] == ["kareus-operator"] and args.command == "run"
+        watched = VALUE_SETS[name].get("operator", {}).get("args", {}).get("watchNamespaces", [])
+        assert args.namespace == watched and list(settings.watch_namespaces) == watched
+        assert args.metrics_port == container["ports"][0]["containerPort"] and args.metrics_address == "0.0.0.0"
+    settings = {e["name"]: e["value"] for e in one(objects["default"], "Deployment")["spec"]["template"]["spec"][
+        "containers"][0]["env"] if "value" in e}
+    assert set(settings) - {"POD_NAME", "POD_NAMESPACE"} <= {
+        f"KAREUS_OPERATOR_{f.upper()}" for f in settings_module.Settings.__dataclass_fields__}
+
+
+def test_node_agent_flags_and_config_are_what_the_daemon_reads(objects, tmp_path):
+    node_main = pytest.importorskip("kareus_node.main")
+    node_config = pytest.importorskip("kareus_node.config")
+    for name in ("default", "policy", "dryRun"):
+        config_text = objects[name][("ConfigMap", AGENT_NS, "kareus-node-agent")]["data"]["config.yaml"]
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(config_text)
+        config = node_config.load_config(path)
+        assert config.dry_run is (name == "dryRun")
+        assert config.policy.clock_bounds_for("A100-SXM4-40GB") == load_policy(
+            policy_document(objects[name])).clock_bounds_for("A100-SXM4-40GB")
+        assert config.policy.allowed_namespaces == load_policy(policy_document(objects[name])).allowed_namespaces
+    container = one(objects["default"], "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    args = node_main.build_parser().parse_args(container["args"])
+    assert container["command"] == ["kareus-node"]
+    assert args.backend == "nvml" and args.config == "/etc/kareus-node/config.yaml"
+    assert args.socket == "/var/run/kareus/node.sock"
+    assert args.state_dir == "/var/lib/kareus"
+    assert args.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert args.metrics_port == container["ports"][0]["containerPort"]
+    assert args.node_name == "$(NODE_NAME)"  # the kubelet expands it from the NODE_NAME env var
+
+
+def test_socket_directory_agrees_between_agent_and_operator(objects):
+    agent = one(objects["default"], "DaemonSet")["spec"]["template"]["spec"]
+    operator = one(objects["default"], "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    socket_mount = next(m["mountPath"] for m in agent["containers"][0]["volumeMounts"] if m["name"] == "sockets")
+    host_dir = next(v["hostPath"]["path"] for v in agent["volumes"] if v["name"] == "sockets")
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    # The operator mounts this host directory into training pods at the same path.
+    assert env["KAREUS_OPERATOR_NODE_SOCKET_DIR"] == socket_mount == host_dir
+    assert f"--socket={socket_mount}/node.sock" in agent["containers"][0]["args"]
+
+
+# ---------------------------------------------------------------- services, monitors, dashboards, labels
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_services_select_their_pods_and_ports(objects):
+    objs = objects["default"]
+    workloads = {k: o for k, o in objs.items() if k[0] in ("Deployment", "DaemonSet")}
+    for (kind, namespace, name), service in objs.items():
+        if kind != "Service":
+            continue
+        [target] = [w for (_, ns, _), w in workloads.items()
+                    if ns == namespace and selects(service["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+        ports = {p["name"] for c in target["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports, name
+    for workload in workloads.values():
+        assert selects(workload["spec"]["selector"]["matchLabels"], workload["spec"]["template"]["metadata"]["labels"])
+
+
+def test_monitors_select_the_metrics_services(objects):
+    objs = objects["serviceMonitor"]
+    for (kind, namespace, _), monitor in objs.items():
+        if kind != "ServiceMonitor":
+            continue
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert monitor["spec"]["namespaceSelector"]["matchNames"] == [namespace]
+        [service] = [s for (k, ns, _), s in objs.items() if k == "Service" and ns == namespace
+                     and selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+        assert [e["port"] for e in monitor["spec"]["endpoints"]] == [p["name"] for p in service["spec"]["ports"]]
+    agent = objs[("ServiceMonitor", AGENT_NS, "kareus-node-agent")]
+    assert agent["spec"]["endpoints"][0]["honorLabels"] is True  # the agent's namespace/pod labels win
+    pod_monitor = objects["podMonitor"][("PodMonitor", NAMESPACE, "kareus-training")]
+    settings = pytest.importorskip("kareus_operator.settings")
+    assert pod_monitor["spec"]["selector"]["matchExpressions"][0]["key"] == settings.LABEL_JOB
+    assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_dashboard_configmaps_carry_the_dashboards(objects):
+    objs = objects["default"]
+    for name in ("cluster-energy", "job", "operator"):
+        cm = objs[("ConfigMap", NAMESPACE, f"kareus-dashboard-{name}")]
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        shipped = json.loads((CHART / "dashboards" / f"{name}.json").read_text())
+        assert json.loads(cm["data"][f"{name}.json"]) == shipped
+    elsewhere = objects["dashboardsElsewhere"][("ConfigMap", "monitoring", "kareus-dashboard-job")]
+    assert elsewhere["metadata"]["annotations"] == {"grafana_folder": "Kareus"}
+
+
+RECOMMENDED = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+               "app.kubernetes.io/component", "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by",
+               "helm.sh/chart")
+
+
+@pytest.mark.parametrize("name", ["default", "policy", "serviceMonitor", "podMonitor"])
+def test_every_object_has_the_recommended_labels(objects, name):
+    for key, obj in objects[name].items():
+        labels = obj["metadata"]["labels"]
+        assert all(label in labels for label in RECOMMENDED), key
+        assert labels["app.kubernetes.io/instance"] == RELEASE and labels["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_notes_say_what_to_do_next(rendered):
+    notes = rendered["default"]["kareus/templates/NOTES.txt"]
+    assert "kubectl -n kareus-system rollout status deployment/kareus-operator" in notes
+    assert "kareus-policy" in notes and "grafana_dashboard=1" in notes
+    no_crds = rendered["noCrds"]["kareus/templates/NOTES.txt"]
+    assert "kubectl apply --server-side -f crds/kareusjob.yaml" in no_crds
+    assert "apply the KareusJob CRD" not in notes
+    assert "release=kube-prometheus-stack" in rendered["serviceMonitor"]["kareus/templates/NOTES.txt"]
+
+
+# ---------------------------------------------------------------- yamllint
+
+
+def test_yamllint_chart_values_and_examples():
+    from yamllint import linter
+    from yamllint.config import YamlLintConfig
+
+    chart_config = YamlLintConfig(file=str(CHART / ".yamllint"))
+    default_config = YamlLintConfig("extends: default")  # what `make lint` applies to examples/
+    problems = []
+    for path in (CHART / "values.yaml", CHART / "Chart.yaml"):
+        problems += [f"{path.name}:{p}" for p in linter.run(path.read_text(), chart_config)]
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        problems += [f"{path.name}:{p}" for p in linter.run(path.read_text(), default_config)]
+    assert problems == []
+    assert list(linter.run("a:  1\nb: [1,2]\n", chart_config))  # the linter does find problems
