@@ -74,6 +74,14 @@ class Authorizer(ABC):
     def grant(self, peer: PeerCredentials, gpu_uuids: Sequence[str]) -> Grant:
         """What `peer` may control among `gpu_uuids`; raises AuthUnavailable to fail closed."""
 
+    def recheck(self, grant: Grant, gpu_uuids: Sequence[str]) -> Grant:
+        """The same caller's grant asked afresh (its identity, e.g. its pod, stays what it was)."""
+        return grant
+
+    def probe(self) -> None:
+        """Raise AuthUnavailable when authorisation facts cannot be established right now."""
+        return None  # an allow-list is always available
+
 
 class KubeletAuthorizer(Authorizer):
     def __init__(self, config: NodeConfig, pods: PodDirectory, pod_resources: PodResourcesClient, *, proc_root: str = "/proc") -> None:
@@ -86,6 +94,21 @@ class KubeletAuthorizer(Authorizer):
         pod_uid = pod_uid_of(peer.pid, proc_root=self._proc_root)
         if pod_uid is None:
             return _refuse_all(Owner(peer.pid, peer.uid), gpu_uuids, f"caller pid {peer.pid} is not in a Kubernetes pod")
+        return self._grant_for_pod(peer, pod_uid, gpu_uuids)
+
+    def probe(self) -> None:
+        try:
+            self._pod_resources.gpu_holders()
+        except PodResourcesUnavailable as error:
+            raise AuthUnavailable(str(error)) from None
+
+    def recheck(self, grant: Grant, gpu_uuids: Sequence[str]) -> Grant:
+        owner = grant.owner
+        if not owner.pod_uid:
+            return grant
+        return self._grant_for_pod(PeerCredentials(owner.pid, owner.uid, -1), owner.pod_uid, gpu_uuids)
+
+    def _grant_for_pod(self, peer: PeerCredentials, pod_uid: str, gpu_uuids: Sequence[str]) -> Grant:
         try:
             pod = self._pods.lookup(pod_uid)
             holders = self._pod_resources.gpu_holders()

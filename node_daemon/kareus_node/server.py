@@ -415,15 +415,22 @@ class Daemon:
             await self.recheck_leases()
 
     async def recheck_leases(self) -> None:
-        healthy = True
-        for session in self.sessions.values():
-            if not session.leases:
+        try:
+            await asyncio.to_thread(self.authorizer.probe)
+            unavailable = ""
+        except AuthUnavailable as error:
+            unavailable = str(error)
+        self.auth_healthy = not unavailable
+        for session in list(self.sessions.values()):
+            if not session.leases or session.grant is None:
                 session.grant = None  # asked afresh on its next request
-        for session in [s for s in self.sessions.values() if s.leases]:
+                continue
             try:
-                fresh = await asyncio.to_thread(self.authorizer.grant, session.peer, list(self.gpus))
+                if unavailable:
+                    raise AuthUnavailable(unavailable)
+                fresh = await asyncio.to_thread(self.authorizer.recheck, session.grant, list(self.gpus))
             except AuthUnavailable as error:
-                healthy = False
+                self.auth_healthy = False
                 self._release(session, session.leases, f"authorisation unavailable, failing closed: {error}")
                 session.grant = None
                 continue
@@ -431,8 +438,6 @@ class Daemon:
             if lost:
                 self._release(session, lost, f"no longer allowed: {fresh.reason(lost[0])}")
             session.grant = Grant(_with_job(fresh.owner, session.job), fresh.refusals) if session.job else fresh
-        self.auth_healthy = healthy
-
 
 def _with_job(owner: Owner, job: str) -> Owner:
     """The owner labelled with the job the client named, unless its pod already says which job."""
