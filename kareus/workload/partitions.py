@@ -237,11 +237,23 @@ class Workload:
 
 
 def split_layers(num_layers: int, pp: int) -> tuple[int, ...]:
-    """Layers per stage, as even as possible, earlier stages taking the extra (28 / 2 → 15, 13)."""
+    """Layers per stage. The last stage also runs the output layer and the loss, counted as one
+    layer's work (Llama 3.2 3B: the 128k-vocabulary projection is ~4 layers of FLOPs but
+    memory-light; the paper's artifact uses 15/13 for 28 layers on 2 stages); the layer-equivalents
+    are split as evenly as possible, earlier stages taking the extra. Falls back to a plain even
+    split when that would leave the last stage without a layer."""
     if pp < 1 or pp > num_layers:
         raise KareusError(f"pipeline parallelism must be in 1..{num_layers} (the model's layers), got {pp}")
-    base, extra = divmod(num_layers, pp)
-    return tuple(base + (1 if stage < extra else 0) for stage in range(pp))
+    if pp == 1:
+        return (num_layers,)
+    shares = list(_even(num_layers + 1, pp))
+    shares[-1] -= 1
+    return tuple(shares) if shares[-1] >= 1 else _even(num_layers, pp)
+
+
+def _even(total: int, parts: int) -> tuple[int, ...]:
+    base, extra = divmod(total, parts)
+    return tuple(base + (1 if index < extra else 0) for index in range(parts))
 
 
 def _check_positive(**values: int) -> None:
