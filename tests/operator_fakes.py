@@ -1,9 +1,10 @@
 """Fast stand-ins for `kareus profile|optimize|train`, for operator tests and the scale benchmark.
 
 They do what the real phases do at the interface the operator sees — write a profile file, a plan
-document with a prediction and frontier rows, a `train.jsonl` progress log — in milliseconds. A
-failure can be injected: `FAKE_FAIL_<PHASE>=N` makes the first N runs of that phase exit 3 (counted
-in `FAKE_STATE_DIR`). `FAKE_STEP_S` is the time per fake training step.
+document with a prediction and frontier rows, a `train.jsonl` progress log — in milliseconds.
+Failures are injected by the job's name: a job named `x-f2train` fails its first 2 training runs
+(exit 3), `x-f1profile` its first profiling run (runs counted in `FAKE_STATE_DIR`). `FAKE_STEP_S`
+is the time per fake training step, `FAKE_STEPS` the number of steps.
 
     python tests/operator_fakes.py profile JOB --out PROFILE
     python tests/operator_fakes.py optimize JOB --profile PROFILE --out PLAN
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ STEP_ENERGY_J = 123.0
 STEP_TIME_S = 0.25
 
 
-def settings_env(state_dir: Path, *, step_s: float = 0.05, fail: dict[str, int] | None = None) -> dict[str, str]:
+def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4) -> dict[str, str]:
     """Operator environment that makes every pod run these fakes."""
     python = sys.executable
     env = {
@@ -33,7 +35,7 @@ def settings_env(state_dir: Path, *, step_s: float = 0.05, fail: dict[str, int] 
         "KAREUS_OPERATOR_TRAIN_COMMAND": json.dumps([python, SCRIPT, "train"]),
         "KAREUS_OPERATOR_PUBLISH_COMMAND": json.dumps([python, "-m", "kareus_operator.main", "publish"]),
         "KAREUS_OPERATOR_EXTRA_POD_ENV": json.dumps({"FAKE_STATE_DIR": str(state_dir), "FAKE_STEP_S": str(step_s),
-                                                     **{f"FAKE_FAIL_{k.upper()}": str(v) for k, v in (fail or {}).items()}}),
+                                                     "FAKE_STEPS": str(steps)}),
         "KAREUS_OPERATOR_RESYNC_S": "2", "KAREUS_OPERATOR_BACKOFF_BASE_S": "0.5",
         "KAREUS_OPERATOR_PROGRESS_INTERVAL_S": "0.2",
     }
@@ -45,14 +47,15 @@ def _arg(name: str) -> str:
 
 
 def _maybe_fail(phase: str) -> None:
-    budget = int(os.environ.get(f"FAKE_FAIL_{phase.upper()}", "0"))
-    if budget <= 0:
+    job = os.environ.get("KAREUS_JOB_NAME", "job")
+    match = re.search(rf"f(\d+){phase}", job)
+    if match is None:
         return
-    counter = Path(os.environ["FAKE_STATE_DIR"]) / f"{os.environ.get('KAREUS_JOB_NAME', 'job')}-{phase}.failures"
+    counter = Path(os.environ["FAKE_STATE_DIR"]) / f"{job}-{phase}.failures"
     done = int(counter.read_text()) if counter.exists() else 0
-    if done < budget:
+    if done < int(match.group(1)):
         counter.write_text(str(done + 1))
-        print(f"fake {phase}: injected failure {done + 1}/{budget}", flush=True)
+        print(f"fake {phase}: injected failure {done + 1}/{match.group(1)}", flush=True)
         sys.exit(3)
 
 
