@@ -110,9 +110,9 @@ def backward_segments(program: LayerProgram, layers: range) -> tuple[Segment, ..
     for i, layer in enumerate(reversed(layers)):
         # The next layer's input norm + fork lead this layer's MLP backward run.
         lead = tuple(Step(layer + 1, op) for op in attention[-2:]) if i > 0 else ()
-        run = (*lead, Step(layer, program.closing), *(Step(layer, op) for op in mlp[:4]))
+        run = (*lead, Step(layer, program.closing), *(Step(layer, op) for op in mlp[:3]))
         segments.append(Segment("bwd_mlp", run, True))
-        segments.append(Segment("bwd_attn", tuple(Step(layer, op) for op in mlp[4:])
+        segments.append(Segment("bwd_attn", tuple(Step(layer, op) for op in mlp[3:])
                                 + tuple(Step(layer, op) for op in attention[:-2]), True))
     segments.append(Segment(BWD_TRAIL, tuple(Step(layers[0], op) for op in attention[-2:]), False))
     return tuple(segments)
@@ -167,7 +167,8 @@ class PartitionedBlock:
         self.bwd_segments = backward_segments(program, layers)
         self.fwd_partitions = partitions_of(self.fwd_segments)
         self.bwd_partitions = partitions_of(self.bwd_segments)
-        self.trace: list[tuple[str, ...]] | None = None  # set to a list to record the issue order
+        # Set to a list to record the issue order: (event "comm"|"op", forward?, segment, nanobatch, op index).
+        self.trace: list[tuple] | None = None
 
     # forward -----------------------------------------------------------------------------------
     def forward(self, x: Tensor, configs: Mapping[str, PartitionConfig], *, record: bool) -> tuple[Tensor, list]:
@@ -227,25 +228,24 @@ class PartitionedBlock:
 
     # the partition loop ------------------------------------------------------------------------
     def _run(self, segments, partitions, states, configs, run_step, *, record: bool) -> None:
-        channel = "main"
+        forward = run_step == self._forward_step
         for part in partitions:
             segment = segments[part.segment]
             config = configs.get(part.key)
             handle: CommHandle | None = None
             launch_at = segment.slot_index(config.launch_slot) if config else 0
-            comm_state = states[part.comm_nb] if part.comm_nb is not None else None
-            store = None
             for i, step in enumerate(segment.steps):
-                if comm_state is not None and i == launch_at:
-                    store = comm_state.acts if run_step == self._forward_step else comm_state.grads
-                    handle = self.comm.launch(store[channel], config.comm_sms if config else None)
-                    self._trace("comm", part.key, str(part.comm_nb), str(part.comm_segment), str(i))
+                if part.comm_nb is not None and i == launch_at:
+                    other = states[part.comm_nb]
+                    handle = self.comm.launch((other.acts if forward else other.grads)["main"],
+                                              config.comm_sms if config else None)
+                    self._trace("comm", forward, part.segment, part.nb, i)
                 run_step(step, states[part.nb], record)
-                self._trace("op", part.key, str(part.nb), step.op.name, str(step.layer))
+                self._trace("op", forward, part.segment, part.nb, i)
             if handle is not None:
                 handle.join()
 
-    def _trace(self, *event: str) -> None:
+    def _trace(self, *event) -> None:
         if self.trace is not None:
             self.trace.append(event)
 

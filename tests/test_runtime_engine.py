@@ -1,0 +1,160 @@
+"""The partitioned overlap engine in one process: structure, issue order, manual backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kareus.errors import KareusError
+from kareus.runtime import Schedule, TrainConfig, run_rank
+from kareus.runtime.comm import CommHandle, TPComm
+from kareus.runtime.engine import PartitionedBlock, backward_segments, forward_segments, partitions_of
+from kareus.runtime.layer_ops import LayerProgram, rope_tables
+from kareus.runtime.model import StageLayout, StageModel, shard
+from kareus.runtime.parallel import Layout, init_distributed
+from kareus.workload.models import ModelShape, get_preset
+from kareus.workload.partitions import PartitionConfig, build_workload
+
+torch.set_num_threads(1)
+TINY = get_preset("tiny")
+# Exercises q/k norm, tied embeddings and grouped-query attention in one small model.
+QWENISH = ModelShape("qwenish", 3, 32, 48, 4, 2, 8, 256, qk_norm=True, tied_embeddings=True, rope_theta=10000.0)
+
+
+def test_segments_match_the_workload_partition_types():
+    """The executed op runs and slot names are the ones the planner optimises."""
+    workload = build_workload(TINY, tp=2, cp=1, pp=1, seq_len=16, micro_batch_size=2)
+    program = LayerProgram.llama(TINY.qk_norm)
+    layers = range(4)
+    executed = {}
+    for segment in forward_segments(program, layers) + backward_segments(program, layers):
+        if segment.key in workload.partition_types and len(segment.steps) == max(
+                len(s.steps) for s in (*forward_segments(program, layers), *backward_segments(program, layers))
+                if s.key == segment.key):
+            executed[segment.key] = segment
+    assert set(executed) == set(workload.partition_types)
+    for name, ptype in workload.partition_types.items():
+        ops = [s.op.name for s in executed[name].steps]
+        assert ops == [op.name.removesuffix("_bwd") for op in ptype.compute_ops], name
+        assert executed[name].slots == ptype.slots, name
+        for slot in ptype.launch_slots:
+            assert executed[name].slot_index(slot) == ptype.slot_op_index(slot)
+
+
+def test_partitions_pair_each_comm_with_the_other_nanobatch():
+    program = LayerProgram.llama(False)
+    segments = forward_segments(program, range(2))
+    parts = partitions_of(segments)
+    assert [p.key for p in parts] == ["fwd_attn", "fwd_attn", "fwd_mlp", "fwd_mlp"] * 2 + ["fwd_trail"] * 2
+    assert (parts[0].comm_nb, parts[1].comm_nb) == (None, 0)
+    for p in parts[1:-1]:
+        assert p.comm_nb == 1 - p.nb
+    assert parts[-1].comm_nb is None  # nothing follows the last BDA
+    # every segment's all-reduce is carried exactly once per nanobatch
+    carried = sorted((p.comm_nb, p.comm_segment) for p in parts if p.comm_nb is not None)
+    assert carried == sorted((nb, s) for s in range(len(segments) - 1) for nb in (0, 1))
+
+
+class _OrderComm(TPComm):
+    """Pretends to be a 2-rank group; records launches and joins without reducing anything."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__(None, 2)
+        self.log = log
+
+    def launch(self, tensor, comm_sms=None):
+        self.log.append(("launch", comm_sms))
+        log = self.log
+
+        class _Handle(CommHandle):
+            def join(self) -> None:
+                log.append(("join",))
+
+        return _Handle()
+
+
+@pytest.mark.parametrize("key,slot", [("fwd_attn", s) for s in ("norm_0", "linear_0", "rope_0", "attn_0")]
+                         + [("fwd_mlp", s) for s in ("norm_0", "linear_0", "activation_0")]
+                         + [("bwd_attn", s) for s in ("norm_0", "linear_0", "attn_0", "rope_0")]
+                         + [("bwd_mlp", s) for s in ("norm_0", "linear_0", "activation_0")])
+def test_collective_is_issued_right_before_the_launch_slot(key, slot):
+    log: list = []
+    model = StageModel(TINY, StageLayout.of(0, (2,)), tp=1)
+    block = PartitionedBlock(model, _OrderComm(log), dict(zip(("rope_cos", "rope_sin"), rope_tables(8, 16, 1e4),
+                                                                strict=True)))
+    block.trace = []
+    config = PartitionConfig(slot, 7)
+    x = torch.randn(2, 8, TINY.hidden_size)
+    _, states = block.forward(x, {key: config} if key.startswith("fwd") else {}, record=True)
+    block.backward(states, torch.randn_like(x), {key: config} if key.startswith("bwd") else {})
+    forward = key.startswith("fwd")
+    segments = block.fwd_segments if forward else block.bwd_segments
+    events = block.trace
+    checked = 0
+    for i, (event, is_forward, segment, nb, index) in enumerate(events):
+        if event == "comm" and is_forward == forward and segments[segment].key == key:
+            assert segments[segment].slots[index] == slot
+            assert events[i + 1] == ("op", forward, segment, nb, index)  # the slot's op runs right after
+            assert index == 0 or events[i - 1] == ("op", forward, segment, nb, index - 1)
+            checked += 1
+    assert checked >= 2
+    assert ("launch", 7) in log and log.count(("join",)) == sum(1 for e in log if e[0] == "launch")
+
+
+def _run(shape, schedule, *, ac=True, steps=3, mbs=2, m=2, seed=3):
+    config = TrainConfig(shape=shape, seq_len=16, micro_batch_size=mbs, num_microbatches=m, steps=steps, seed=seed,
+                         optimizer="sgd", lr=0.5, activation_checkpointing=ac)
+    ctx = init_distributed(config.layout, device="cpu")
+    result, model = run_rank(ctx, config, schedule, keep_model=True)
+    return result, {n: p.detach().clone() for n, p in model.named_model_params().items()}
+
+
+@pytest.mark.parametrize("ac", [True, False])
+def test_manual_backward_matches_autograd(ac):
+    """Partitioned (op-by-op backward) == sequential (autograd), losses and parameter updates."""
+    seq, seq_params = _run(QWENISH, Schedule.uniform(1, 2, mode="sequential"), ac=ac)
+    part, part_params = _run(QWENISH, Schedule.uniform(1, 2, mode="partitioned"), ac=ac)
+    torch.testing.assert_close(torch.tensor(part.losses), torch.tensor(seq.losses), rtol=1e-5, atol=0)
+    init = StageModel(QWENISH, StageLayout.of(0, (3,)), seed=3).named_model_params()
+    for name, value in seq_params.items():
+        assert not torch.equal(value, init[name].detach()), f"{name} was not trained"
+        torch.testing.assert_close(part_params[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_mixed_modes_per_microbatch():
+    base = Schedule.uniform(1, 2, mode="partitioned")
+    mixed = Schedule((tuple(i if i.microbatch == 0 else type(i)(i.kind, i.microbatch, mode="sequential")
+                            for i in base.stages[0]),), 2)
+    assert {i.mode for i in mixed.stages[0]} == {"partitioned", "sequential"}
+    ref, _ = _run(QWENISH, Schedule.uniform(1, 2, mode="sequential"), steps=2)
+    got, _ = _run(QWENISH, mixed, steps=2)
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+
+
+def test_initialisation_is_layout_independent():
+    full = StageModel(TINY, StageLayout.of(0, (4,)), seed=11).named_model_params()
+    for tp_rank in range(2):
+        stage1 = StageModel(TINY, StageLayout.of(1, (2, 2)), tp=2, tp_rank=tp_rank, seed=11).named_model_params()
+        assert "layers.2.qkv" in stage1 and "layers.1.qkv" not in stage1 and "embedding" not in stage1
+        for name, value in stage1.items():
+            torch.testing.assert_close(value, shard(name, full[name].detach(), TINY, tp_rank, 2), rtol=0, atol=0)
+
+
+def test_tensor_parallel_must_divide_heads():
+    with pytest.raises(KareusError, match="not divisible by tensor parallelism 3"):
+        StageModel(TINY, StageLayout.of(0, (4,)), tp=3)
+
+
+def test_odd_microbatch_needs_sequential_schedule():
+    with pytest.raises(KareusError, match="microBatchSize must be even"):
+        _run(TINY, Schedule.uniform(1, 1), mbs=3, m=1)
+    result, _ = _run(TINY, Schedule.uniform(1, 1, mode="sequential"), mbs=3, m=1, steps=1)
+    assert len(result.losses) == 1
+
+
+def test_layout_coordinates_round_trip():
+    layout = Layout(tp=2, pp=2, dp=2)
+    for rank in range(layout.world_size):
+        assert layout.rank_of(*layout.coords(rank)) == rank
+    assert layout.tp_groups()[0] == (0, 1) and layout.dp_groups()[0] == (0, 4)
+    assert layout.end_groups()[0] == (0, 2)
