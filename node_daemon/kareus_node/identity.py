@@ -23,7 +23,8 @@ from pathlib import Path
 
 _UCRED = struct.Struct("3i")
 _POD_UID = re.compile(
-    r"kubepods.*?pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})(?:\.slice|/|$)"
+    r"kubepods.*?pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})(?:\.slice|/|$)",
+    re.MULTILINE,
 )
 
 
