@@ -9,8 +9,9 @@ in `GPUSpec`). `docs/simulator.md` gives each one's source or reasoning. The mod
   its time is the larger of the FLOP time and the HBM time, plus a launch gap and a tail of
   `kernel_tail_cycles` cycles.
 - **Memory-bound kernels** (norms, RoPE, SwiGLU, bias-dropout-add) stream their bytes at their share
-  of the achievable HBM bandwidth, capped by what the SMs they run on can issue per cycle (so their
-  speed depends on the clock only weakly, through the tail and the issue cap).
+  of the achievable HBM bandwidth, capped by what the SMs they run on can request per cycle (so
+  their speed depends on the clock only weakly: through the kernel tail, and below ~75 % of the
+  maximum clock through the request cap).
 - **Collectives** are rings: each GPU moves `ring_bytes` at `min(link bandwidth, SMs × per-SM copy
   bandwidth)` after `2(n−1)` or `n−1` step latencies; the copy engine work reads and writes HBM
   (`comm_hbm_bytes_per_ring_byte`). The copy rate does not depend on the SM clock (NVLink round
@@ -38,7 +39,7 @@ class SimParams:
     attention_forward_efficiency: float = 0.62
     attention_backward_efficiency: float = 0.50
     hbm_efficiency: float = 0.88
-    sm_load_bytes_per_cycle: float = 12.0
+    sm_issue_headroom: float = 1.15
     kernel_launch_s: float = 2.0e-6
     kernel_tail_cycles: float = 3000.0
     comm_bytes_per_s_per_sm: float = 30.0e9
@@ -119,9 +120,16 @@ class Physics:
             rate = self.efficiency(op, sms) * self.spec.flops_per_sm_cycle * sms * hz
             flop_time = op.flops / rate
             activity = p.activity_gemm if op.kind == "gemm" else p.activity_attention
-        stream = min(self.hbm_bytes_per_s, p.sm_load_bytes_per_cycle * sms * hz)
+        stream = min(self.hbm_bytes_per_s, self.issue_bytes_per_s(sms, clock_mhz))
         overhead = p.kernel_launch_s + p.kernel_tail_cycles / hz
         return KernelDemand(flop_time, op.hbm_bytes / stream, overhead, op.hbm_bytes, activity)
+
+    def issue_bytes_per_s(self, sms: float, clock_mhz: float) -> float:
+        """The most bandwidth `sms` SMs can request at `clock_mhz`: all SMs at the maximum clock
+        request `sm_issue_headroom` × the HBM peak, scaling with SMs and clock."""
+        spec = self.spec
+        return (self.params.sm_issue_headroom * spec.hbm_gb_per_s * 1e9 * (sms / spec.sms)
+                * (clock_mhz / spec.clock_max_mhz))
 
     def comm_rate(self, comm_sms: float) -> float:
         """Ring bytes per second a collective on `comm_sms` SMs moves with HBM to spare."""
