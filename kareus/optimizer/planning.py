@@ -39,7 +39,7 @@ def plan_job(job: Any, profile: ProfileDocument) -> PlanJob:
         num_micro_batches=par.num_micro_batches, sequence_length=spec.sequence_length,
         activation_checkpointing=bool(par.activation_checkpointing),
         stage_layers=tuple(profile.job.stage_layers), clocks_mhz=tuple(profile.clocks_mhz),
-        p_static_w=profile.p_static_w, name=str(getattr(getattr(job, "metadata", None), "name", "") or ""),
+        p_static_w=profile.p_static_w, name=str(getattr(job, "name", "") if job is not spec else ""),
         steps=getattr(getattr(spec, "training", None), "steps", None))
 
 

@@ -1,0 +1,70 @@
+"""`kareus optimize JOB.yaml --profile PROFILE.json --out PLAN.json`: build the training plan.
+
+Composes the profile's measured partition frontiers into microbatch frontiers, solves the 1F1B
+iteration frontier with lowtime and writes the plan its objective picks (the job's, or
+`--objective`). The plan keeps the whole frontier, so a later objective change needs no new run.
+With `--baselines` (simulated GPU) the baselines' frontiers are stored too, for
+`kareus frontier`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kareus.errors import KareusError
+from kareus.optimizer.frontier import FrontierSettings
+from kareus.optimizer.objective import parse_objective
+from kareus.profiler.document import ProfileDocument
+from kareus.spec import load_job
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("optimize", help="build the training plan from a profile",
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("job", metavar="JOB.yaml", help="KareusJob manifest")
+    parser.add_argument("--profile", required=True, metavar="PROFILE.json", help="profile document (kareus profile)")
+    parser.add_argument("--out", required=True, metavar="PLAN.json", help="where to write the plan")
+    parser.add_argument("--objective", metavar="JSON", default=None,
+                        help='override spec.objective, e.g. \'{"timeBudget": {"maxSlowdownPercent": 5}}\'')
+    parser.add_argument("--baselines", action="store_true",
+                        help="also solve the baselines on the simulated GPU and store their frontiers")
+    parser.add_argument("--max-rows", type=int, default=FrontierSettings.max_rows, metavar="N",
+                        help=f"frontier table rows kept (default {FrontierSettings.max_rows})")
+    parser.set_defaults(func=run)
+
+
+def objective_argument(text: str | None) -> object:
+    """The `--objective` value parsed and checked, or None."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise KareusError(f"--objective: not valid JSON ({error.msg}); e.g. '{{\"maxThroughput\": {{}}}}'") from None
+    return parse_objective(value, path="--objective")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_rows < 2:
+        raise KareusError(f"--max-rows: must be >= 2, got {args.max_rows}")
+    objective = objective_argument(args.objective)
+    job = load_job(args.job)
+    profile = ProfileDocument.load(args.profile)
+    settings = FrontierSettings(max_rows=args.max_rows)
+    if args.baselines:
+        from kareus.optimizer.baselines import compare_methods
+        from kareus.sim import Simulator, get_gpu
+
+        plan = compare_methods(job, profile, Simulator(get_gpu(profile.gpu)), settings=settings,
+                               objective=objective).plan
+    else:
+        from kareus.optimizer.planning import optimize
+
+        plan = optimize(job, profile, objective=objective, settings=settings)
+    plan.save(args.out)
+    p = plan.predicted
+    print(f"plan for {job.name}: {p.iteration_time_s:.4f} s and {p.iteration_energy_j / 1e3:.3f} kJ per "
+          f"iteration ({len(plan.frontier.rows)} frontier plans, objective {parse_objective(plan.objective).describe()})"
+          f" → {args.out}")
+    return 0
