@@ -174,10 +174,11 @@ def test_values_typo_fails_via_the_schema(chart, values, field):
 # ---------------------------------------------------------------- the CRD
 
 
-def test_chart_crd_copy_is_byte_identical_to_the_repository_crd():
-    # Helm cannot read outside the chart, so the chart carries a copy; refresh it with
-    # `cp crds/kareusjob.yaml helm/kareus/files/kareusjob.crd.yaml`.
-    assert (CHART / "files" / "kareusjob.crd.yaml").read_bytes() == (ROOT / "crds" / "kareusjob.yaml").read_bytes()
+def test_chart_crd_is_a_link_to_the_repository_crd():
+    # Helm cannot read outside the chart; a relative link keeps one source of truth (Helm follows it).
+    link = CHART / "files" / "kareusjob.crd.yaml"
+    assert link.is_symlink() and not Path(link.readlink()).is_absolute()
+    assert link.resolve() == (ROOT / "crds" / "kareusjob.yaml").resolve()
 
 
 def test_rendered_crd_is_the_repository_crd_plus_labels_and_keep(objects):
