@@ -1,0 +1,149 @@
+"""The operator (a real kopf process) against the dev cluster, with fast fake phase commands.
+
+One cluster runs several jobs at once, each exercising one path of the phase machine: success,
+a retried training failure, an exhausted backoff limit, a profile cache hit, a policy refusal,
+suspend and resume, an active deadline, a TTL after finishing, and deletion of a finished job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kareus_operator.devcluster.cluster import DevCluster
+from kareus_operator.kube import Kube, load_kubeconfig, path
+from operator_fakes import STEP_ENERGY_J, settings_env
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+JOBS_API = "kareus.dev/v1alpha1"
+POLICY = "allowedNamespaces: [default, team-a]\nprofileReuse: true\n"
+TERMINAL = ("Succeeded", "Failed")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def fake_job(name: str, namespace: str = "team-a", **spec_changes) -> dict:
+    job = yaml.safe_load(QUICKSTART.read_text())
+    job["metadata"] = {"name": name, "namespace": namespace}
+    del job["spec"]["training"]["command"]  # the operator's (fake) train command runs instead
+    job["spec"].update(spec_changes)
+    return job
+
+
+async def wait_for(kube: Kube, namespace: str, name: str, check, timeout_s: float = 90.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    job = None
+    while time.monotonic() < deadline:
+        job = await kube.get(path(JOBS_API, "kareusjobs", namespace, name))
+        if check(job):
+            return job
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"{namespace}/{name} never reached the expected state; last: {job and job.get('status')}")
+
+
+def phase_in(*phases):
+    return lambda job: job is not None and (job.get("status") or {}).get("phase") in phases
+
+
+def conditions(job: dict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in job["status"]["conditions"]}
+
+
+async def events_for(kube: Kube, namespace: str, name: str) -> list[str]:
+    return [e["reason"] for e in await kube.list(path("v1", "events", namespace))
+            if e.get("involvedObject", {}).get("name") == name]
+
+
+async def test_jobs_reach_their_outcomes(tmp_path):
+    cluster = DevCluster(tmp_path, operator=False, node_daemon=False, operator_env=settings_env(tmp_path))
+    async with cluster, Kube(load_kubeconfig(cluster.kubeconfig)) as kube:
+        for namespace in ("team-a", "forbidden"):
+            await kube.create(path("v1", "namespaces"), {"metadata": {"name": namespace}})
+        await kube.create(path("v1", "configmaps", "kareus-system"),
+                          {"metadata": {"name": "kareus-policy"}, "data": {"policy.yaml": POLICY}})
+        cluster.start_operator()
+        slow = fake_job("slow", activeDeadlineSeconds=2)
+        slow["spec"]["training"]["env"] = [{"name": "FAKE_STEP_S", "value": "10"}]
+        jobs = [fake_job("ok"), fake_job("retry-f1train"), fake_job("doomed-f9optimize", backoffLimit=1),
+                fake_job("refused", namespace="forbidden"), fake_job("paused", suspend=True), slow,
+                fake_job("shortlived", ttlSecondsAfterFinished=1)]
+        for job in jobs:
+            await kube.request("POST", path(JOBS_API, "kareusjobs", job["metadata"]["namespace"]), job)
+
+        ok = await wait_for(kube, "team-a", "ok", phase_in(*TERMINAL))
+        assert ok["status"]["phase"] == "Succeeded"
+        assert conditions(ok) == {"Profiled": ("True", "Measured"), "Planned": ("True", "Optimized"),
+                                  "Training": ("False", "Completed"), "Complete": ("True", "Completed")}
+        assert ok["status"]["measured"]["iterations"] == 4
+        assert ok["status"]["measured"]["energyJoules"] == pytest.approx(4 * STEP_ENERGY_J)
+        assert ok["status"]["plan"]["configMap"] == "ok-plan" and ok["status"]["plan"]["frontierPoints"] == 3
+        assert ok["status"]["observedGeneration"] == ok["metadata"]["generation"]
+        # kopf's own bookkeeping lives under kareus.dev (its JSON patches may trail the status writes).
+        ok = await wait_for(kube, "team-a", "ok", lambda job: "kareus.dev/finalizer" in job["metadata"].get("finalizers", []))
+        assert {"PhaseProfiling", "PhaseOptimizing", "PhaseTraining", "PhaseSucceeded"} <= set(
+            await events_for(kube, "team-a", "ok"))
+
+        # A second identical job reuses the profile: no profiling pod at all.
+        await kube.request("POST", path(JOBS_API, "kareusjobs", "team-a"), fake_job("again"))
+        again = await wait_for(kube, "team-a", "again", phase_in(*TERMINAL))
+        assert conditions(again)["Profiled"] == ("True", "CacheHit") and again["status"]["profile"]["cacheHit"]
+        assert await kube.get(path("v1", "pods", "team-a", "again-profile")) is None
+        assert again["status"]["profile"]["key"] == ok["status"]["profile"]["key"]
+
+        retried = await wait_for(kube, "team-a", "retry-f1train", phase_in(*TERMINAL))
+        assert retried["status"]["phase"] == "Succeeded" and retried["status"]["restarts"] == 1
+        assert "ChildRestarted" in await events_for(kube, "team-a", "retry-f1train")
+
+        doomed = await wait_for(kube, "team-a", "doomed-f9optimize", phase_in(*TERMINAL))
+        assert conditions(doomed)["Failed"] == ("True", "OptimizationFailed")
+        assert doomed["status"]["restarts"] == 1 and "exit code 3" in doomed["status"]["lastFailure"]
+        assert "backoffLimit 1" in next(c["message"] for c in doomed["status"]["conditions"] if c["type"] == "Failed")
+
+        refused = await wait_for(kube, "forbidden", "refused", phase_in(*TERMINAL))
+        failed = next(c for c in refused["status"]["conditions"] if c["type"] == "Failed")
+        assert failed["reason"] == "PolicyViolation" and "policy.allowedNamespaces" in failed["message"]
+        assert await kube.list(path("v1", "pods", "forbidden")) == []
+
+        late = await wait_for(kube, "team-a", "slow", phase_in(*TERMINAL))
+        assert conditions(late)["Failed"] == ("True", "DeadlineExceeded")
+        assert all(p["status"].get("phase") in ("Succeeded", "Failed")
+                   for p in await kube.list(path("v1", "pods", "team-a"), "kareus.dev/job-name=slow"))
+
+        paused = await wait_for(kube, "team-a", "paused", phase_in("Suspended"))
+        assert conditions(paused)["Suspended"] == ("True", "Suspended")
+        assert await kube.list(path("v1", "pods", "team-a"), "kareus.dev/job-name=paused") == []
+        await kube.merge_patch(path(JOBS_API, "kareusjobs", "team-a", "paused"), {"spec": {"suspend": False}})
+        resumed = await wait_for(kube, "team-a", "paused", phase_in(*TERMINAL))
+        assert resumed["status"]["phase"] == "Succeeded"
+        assert conditions(resumed)["Suspended"] == ("False", "Resumed")
+
+        # ttlSecondsAfterFinished: the finished job is deleted, its children with it.
+        await wait_for(kube, "team-a", "shortlived", lambda job: job is None)
+        assert await kube.list(path("v1", "pods", "team-a"), "kareus.dev/job-name=shortlived") == []
+
+        # Deleting a job removes every child it owns; the profile cache stays for the next job.
+        await kube.delete(path(JOBS_API, "kareusjobs", "team-a", "ok"))
+        await wait_for(kube, "team-a", "ok", lambda job: job is None)
+        for plural in ("pods", "configmaps", "services"):
+            assert await kube.list(path("v1", plural, "team-a"), "kareus.dev/job-name=ok") == []
+        assert await kube.get(path("v1", "configmaps", "team-a", ok["status"]["profile"]["configMap"])) is not None
+
+
+async def test_objective_change_without_a_frontier_keeps_the_plan(tmp_path):
+    """A plan that cannot be re-selected (the fake plan has no frontier table) is kept, with a warning."""
+    cluster = DevCluster(tmp_path, node_daemon=False, operator_env=settings_env(tmp_path, step_s=0.5, steps=20))
+    async with cluster, Kube(load_kubeconfig(cluster.kubeconfig)) as kube:
+        await kube.request("POST", path(JOBS_API, "kareusjobs", "default"), fake_job("obj", namespace="default"))
+        await wait_for(kube, "default", "obj", phase_in("Training"))
+        changed = copy.deepcopy({"spec": {"objective": {"maxThroughput": None,
+                                                        "energyBudget": {"perIterationJoules": 100.0}}}})
+        await kube.merge_patch(path(JOBS_API, "kareusjobs", "default", "obj"), changed)
+        job = await wait_for(kube, "default", "obj", phase_in(*TERMINAL))
+        assert job["status"]["objective"] == '{"energyBudget":{"perIterationJoules":100.0}}'
+        assert "ReselectFailed" in await events_for(kube, "default", "obj")
+        # 123 J measured per iteration against a 100 J budget.
+        assert conditions(job)["BudgetExceeded"] == ("True", "EnergyBudgetExceeded")
