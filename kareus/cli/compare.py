@@ -76,33 +76,31 @@ def _profile(job, args: argparse.Namespace) -> ProfileDocument:
 
 
 def _percent(value: float | None) -> str:
-    return "−" if value is None else f"{100 * value:+.1f} %"
+    return "−" if value is None else f"{100 * value + 0.0:.1f} %"
 
 
 def print_comparison(comparison: Comparison, console: Console) -> None:
     """The paper's tables: max-throughput point and iso-time/iso-energy metrics, then frontiers."""
     metrics = comparison.metrics["per_method"]
-    table = Table(title="Max throughput and iso-time / iso-energy (energy: all GPUs, static included)")
-    for header in ("method", "time s", "energy kJ", "Δtime vs Megatron", "Δenergy vs Megatron",
-                   "iso-time energy ↓ vs M+P", "iso-energy time ↓ vs M+P", "plans"):
+    table = Table(title="Kareus vs baselines (reductions: positive = less)")
+    for header in ("method", "max-thr. s", "kJ", "time↓ vs M", "energy↓ vs M", "iso-time E↓", "iso-energy T↓",
+                   "plans"):
         table.add_column(header, justify="left" if header == "method" else "right")
     for name, result in comparison.methods.items():
         t, e = min(result.points)
         row = metrics.get(name, {})
         table.add_row(LABELS[name], f"{t:.4f}", f"{e / 1e3:.3f}",
-                      _percent(_negate(row.get("max_throughput_time_reduction"))),
-                      _percent(_negate(row.get("max_throughput_energy_reduction"))),
+                      _percent(row.get("max_throughput_time_reduction")),
+                      _percent(row.get("max_throughput_energy_reduction")),
                       _percent(row.get("iso_time_energy_reduction")),
                       _percent(row.get("iso_energy_time_reduction")), str(len(result.points)))
     console.print(table)
+    console.print("M = Megatron-LM at max clock; iso-time/iso-energy against Megatron+Perseus; kJ = iteration "
+                  "energy of all GPUs, static included; − = no plan meets the constraint")
     for name, result in comparison.methods.items():
         points = sample_points(result.points, FRONTIER_SAMPLES)
         shown = ", ".join(f"({t:.3f} s, {e / 1e3:.2f} kJ)" for t, e in points)
         console.print(f"[bold]{LABELS[name]}[/bold] frontier: {shown}")
-
-
-def _negate(value: float | None) -> float | None:
-    return None if value is None else -value
 
 
 def sample_points(points: list[tuple[float, float]], count: int) -> list[tuple[float, float]]:
