@@ -26,7 +26,7 @@ SEQUENTIAL_PREFIX = "sequential:"
 LAYER_TARGET = "sequential:layer"
 
 
-def parse_range(text: str, field: str) -> tuple[int, ...]:
+def parse_range(text: str, field: str = "range") -> tuple[int, ...]:
     """Inclusive integer range `start:stop[:step]` (a single number is a one-element range)."""
     parts = text.split(":")
     try:
