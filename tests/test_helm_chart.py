@@ -506,6 +506,7 @@ def test_monitors_select_the_metrics_services(objects):
     pod_monitor = objects["podMonitor"][("PodMonitor", NAMESPACE, "kareus-training")]
     settings = pytest.importorskip("kareus_operator.settings")
     assert pod_monitor["spec"]["selector"]["matchExpressions"][0]["key"] == settings.LABEL_JOB
+    assert pod_monitor["spec"]["selector"]["matchLabels"] == {settings.LABEL_ROLE: "train"}
     assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
 
 
