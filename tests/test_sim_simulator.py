@@ -171,3 +171,27 @@ def test_faster_gpus_run_the_same_work_faster() -> None:
 def test_measurement_from_parts_handles_zero_time() -> None:
     empty = Measurement.from_parts(time_s=0.0, energy_j=0.0, p_static_w=85, exposed_comm_s=0, avg_clock_mhz=0)
     assert empty.avg_power_w == 0.0 and empty.effective_energy_j == 0.0
+
+
+@pytest.mark.parametrize("gpu", ["A100-SXM4-80GB", "H200"])
+def test_every_cp_tp_partition_is_physical(gpu) -> None:
+    sim = Simulator(gpu)
+    workload = build_workload(get_preset("qwen3-1.7b"), tp=4, cp=2, pp=2, seq_len=4096, micro_batch_size=8)
+    top = sim.gpu.clock_max_mhz
+    for ptype in workload.partition_types.values():
+        for slot in ptype.launch_slots:
+            for sms in (ptype.comm_sms_grid[0], ptype.comm_sms_grid[-1]):
+                for clock in (top, top - 450):
+                    m = sim.partition(ptype, clock, sms, slot)
+                    assert 0 <= m.exposed_comm_s < m.time_s
+                    assert m.energy_j > m.static_energy_j > 0
+                    assert m.avg_clock_mhz <= clock + 1e-9
+                    assert m.avg_power_w <= sim.gpu.power_limit_w + 1e-6
+        seq = sim.sequential_partition(ptype, top)
+        assert seq.exposed_comm_s > 0 and seq.time_s > 0
+    for stage in workload.stages:
+        configs = {name: p.default_config() for name, p in workload.partition_types.items()}
+        for direction in ("forward", "backward"):
+            partitioned = sim.instruction(stage, direction, top, configs)
+            sequential = sim.instruction(stage, direction, top, None)
+            assert partitioned.time_s > 0 and sequential.time_s > 0
