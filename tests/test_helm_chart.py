@@ -56,6 +56,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "dryRun": {"nodeAgent": {"dryRun": True}},
     "agentNamespaceExternal": {"nodeAgent": {"namespace": {"create": False, "name": "gpu-system"}}},
     "noRbac": {"rbac": {"create": False}},
+    "workers": {"workers": {"namespaces": ["ml"]}},
+    "runtimeClass": {"nodeAgent": {"runtimeClassName": "nvidia"}},
+    "ownServiceAccounts": {"operator": {"serviceAccount": {"create": False, "name": "ops"}},
+                           "nodeAgent": {"serviceAccount": {"create": False, "name": "agent"}}},
 }
 MONITORING_GROUP = "monitoring.coreos.com/v1"
 
@@ -375,6 +379,8 @@ WORKERS = {(kind, ns, "kareus-worker") for ns in ("team-a", "team-b")
                                         ("DaemonSet", AGENT_NS, "kareus-node-agent"))),
         ("dryRun", set(), set(), keys(("ConfigMap", AGENT_NS, "kareus-node-agent"),
                                       ("DaemonSet", AGENT_NS, "kareus-node-agent"))),
+        ("workers", {(k, "ml", "kareus-worker") for k in ("ServiceAccount", "Role", "RoleBinding")}, set(), set()),
+        ("runtimeClass", set(), set(), keys(("DaemonSet", AGENT_NS, "kareus-node-agent"))),
     ],
 )
 def test_toggle_changes_exactly_the_expected_objects(objects, name, added, removed, changed):
@@ -388,6 +394,18 @@ def test_disabling_the_node_agent_removes_all_of_it(objects):
                        ("ClusterRole", "", "kareus-node-agent"), ("ClusterRoleBinding", "", "kareus-node-agent"),
                        ("ConfigMap", AGENT_NS, "kareus-node-agent"), ("Service", AGENT_NS, "kareus-node-agent-metrics"),
                        ("DaemonSet", AGENT_NS, "kareus-node-agent")}
+
+
+def test_own_service_accounts_are_bound_instead_of_created(objects):
+    added, removed, changed = diff(objects["default"], objects["ownServiceAccounts"])
+    assert added == set()
+    assert removed == {("ServiceAccount", NAMESPACE, "kareus-operator"), ("ServiceAccount", AGENT_NS, "kareus-node-agent")}
+    assert {k for k, _, _ in changed} == {"Deployment", "DaemonSet", "ClusterRoleBinding"}
+    objs = objects["ownServiceAccounts"]
+    assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+    assert one(objs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"] == "agent"
+    subjects = {s["name"] for (k, _, _), o in objs.items() if k == "ClusterRoleBinding" for s in o["subjects"]}
+    assert subjects == {"ops", "agent"}
 
 
 def test_rbac_create_false_removes_only_rbac(objects):
