@@ -185,6 +185,21 @@ def test_chart_crd_is_a_link_to_the_repository_crd():
     assert link.resolve() == (ROOT / "crds" / "kareusjob.yaml").resolve()
 
 
+def test_packaged_chart_carries_the_crd_content_and_no_build_helpers(tmp_path, objects):
+    import tarfile
+
+    archive = Path(helm.package(str(CHART), destination=str(tmp_path)))
+    with tarfile.open(archive) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        crd_member = members["kareus/files/kareusjob.crd.yaml"]
+        assert crd_member.isfile()  # the link is stored as the file it points to
+        assert tar.extractfile(crd_member).read() == (ROOT / "crds" / "kareusjob.yaml").read_bytes()
+    assert "kareus/values.schema.json" in members and "kareus/dashboards/job.json" in members
+    assert not [n for n in members if n.endswith((".py", ".yamllint"))]
+    with helm.Chart.load(str(archive)) as packaged:
+        assert objects_of(packaged.render({}, name=RELEASE, namespace=NAMESPACE)) == objects["default"]
+
+
 def test_rendered_crd_is_the_repository_crd_plus_labels_and_keep(objects):
     source = next(d for d in yaml.safe_load_all((ROOT / "crds" / "kareusjob.yaml").read_text()) if d)
     crd = one(objects["default"], "CustomResourceDefinition")
