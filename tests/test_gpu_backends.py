@@ -152,3 +152,11 @@ def test_nvml_missing_driver_is_a_clear_error(nvml) -> None:
         discover("nvml", module=nvml)
     with pytest.raises(KareusError, match="nvidia-ml-py"):
         discover("nvml", module="kareus_no_such_pynvml_module")
+
+
+def test_numpy_integers_are_accepted(tmp_path) -> None:
+    np = pytest.importorskip("numpy")
+    gpu = discover("sim", count=1, state_dir=tmp_path)[0]
+    gpu.lock_sm_clock(np.int64(1200), np.int64(1305))
+    assert gpu.locked_range_mhz() == (1200, 1305) and type(gpu.locked_range_mhz()[0]) is int
+    assert discover("sim", count=1, state_dir=tmp_path)[0].locked_clock_mhz() == 1305

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from numbers import Integral
 
 from kareus.errors import KareusError
 
@@ -79,7 +80,7 @@ class GPUDevice(ABC):
         """Raise a `KareusError` unless [min_mhz, max_mhz] is an ordered pair of supported clocks."""
         supported = self.supported_sm_clocks_mhz()
         for field, value in (("min_mhz", min_mhz), ("max_mhz", max_mhz)):
-            if isinstance(value, bool) or not isinstance(value, int) or value not in supported:
+            if isinstance(value, bool) or not isinstance(value, Integral) or value not in supported:
                 raise KareusError(f"{field} {value!r} is not a supported SM clock of {self.uuid}; allowed: "
                                   f"{_describe_clocks(supported)}")
         if min_mhz > max_mhz:

@@ -67,8 +67,8 @@ class NVMLGPU(GPUDevice):
 
     def lock_sm_clock(self, min_mhz: int, max_mhz: int) -> None:
         self.check_lock_range(min_mhz, max_mhz)
-        self._call("nvmlDeviceSetGpuLockedClocks", min_mhz, max_mhz)
-        self._locked = (min_mhz, max_mhz)
+        self._call("nvmlDeviceSetGpuLockedClocks", int(min_mhz), int(max_mhz))
+        self._locked = (int(min_mhz), int(max_mhz))
 
     def reset_sm_clock(self) -> None:
         self._call("nvmlDeviceResetGpuLockedClocks")

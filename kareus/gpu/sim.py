@@ -65,7 +65,7 @@ class SimulatedGPU(GPUDevice):
     def lock_sm_clock(self, min_mhz: int, max_mhz: int) -> None:
         self.check_lock_range(min_mhz, max_mhz)
         with self._mutex:
-            self._lock_range = (min_mhz, max_mhz)
+            self._lock_range = (int(min_mhz), int(max_mhz))
             self.lock_changes += 1
             self._save_lock()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from numbers import Integral
 from typing import Any
 
 import numpy as np
@@ -67,8 +68,10 @@ class Simulator:
     def partition(self, ptype: PartitionType, clock_mhz: float, comm_sms: int, launch_slot: str) -> Measurement:
         """One instance of `ptype` (one nanobatch's compute beside the other's collective)."""
         self._check_clock(clock_mhz)
-        if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or not 1 <= comm_sms < self.gpu.sms:
+        # numbers.Integral admits numpy integers (search grids are arrays).
+        if isinstance(comm_sms, bool) or not isinstance(comm_sms, Integral) or not 1 <= comm_sms < self.gpu.sms:
             raise KareusError(f"comm_sms must be an integer in 1..{self.gpu.sms - 1}, got {comm_sms!r}")
+        comm_sms = int(comm_sms)
         start = ptype.slot_op_index(launch_slot)
         key = ("partition", ptype, clock_mhz, comm_sms, start)
         return self._cached(key, lambda: self._measure(self._partition_eval(ptype, start, comm_sms), clock_mhz))
