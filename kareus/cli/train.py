@@ -1,0 +1,116 @@
+"""`kareus train JOB.yaml [--plan PLAN.json]`: train a job following its plan.
+
+What the training pods run. Under `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT in
+the environment) this process is one rank; otherwise the job's tensor×pipeline×data processes are
+started here on CPU (gloo), `--nproc` only confirming the count. Rank 0 writes `OUT/train.jsonl`
+and prints a summary. The daemon socket and the metrics port also come from the environment
+(`KAREUS_DAEMON_SOCKET`, `KAREUS_METRICS_PORT`, `KAREUS_METRICS_ADDR`), so a pod spec sets them
+once for every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from kareus.errors import KareusError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train a job following its plan (what training pods run)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("job", metavar="JOB.yaml", help="the KareusJob manifest")
+    parser.add_argument("--plan", metavar="PLAN.json", help="plan to follow (default: every microbatch "
+                        "partitioned at default configs and default clocks)")
+    parser.add_argument("--steps", type=int, help="iterations to run (default: spec.training.steps)")
+    parser.add_argument("--data", metavar="FILE", help="token file: .npy token ids, anything else is read as "
+                        "bytes (byte-level tokenizer); default: the built-in corpus")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default 0)")
+    parser.add_argument("--out", metavar="DIR", help="write DIR/train.jsonl (rank 0)")
+    parser.add_argument("--nproc", type=int, help="local processes to start; must equal tensor×pipeline×data")
+    parser.add_argument("--schedule", choices=("plan", "sequential"), default="plan",
+                        help="'sequential' keeps the plan's clocks but runs every microbatch un-nanobatched")
+    parser.add_argument("--daemon-socket", default=os.environ.get("KAREUS_DAEMON_SOCKET"),
+                        help="node daemon socket for clock requests (env KAREUS_DAEMON_SOCKET; none: no clock control)")
+    parser.add_argument("--metrics-port", type=int, default=_env_int("KAREUS_METRICS_PORT"),
+                        help="Prometheus port of local rank 0, +1 per local rank; 0 picks free ports "
+                             "(env KAREUS_METRICS_PORT; default: no endpoint)")
+    parser.add_argument("--metrics-addr", default=os.environ.get("KAREUS_METRICS_ADDR", "0.0.0.0"),
+                        help="address the metrics endpoint binds (env KAREUS_METRICS_ADDR; default 0.0.0.0)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: CUDA with NCCL when a GPU is visible, else CPU with gloo")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(func=run)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise KareusError(f"environment {name}: must be an integer port, got {value!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from kareus.plan import Plan
+    from kareus.runtime import train
+    from kareus.spec import load_job
+
+    _check_args(args)
+    job = load_job(args.job)
+    plan = Plan.load(args.plan) if args.plan else None
+    overrides = {"seed": args.seed, "data_path": args.data, "out_dir": args.out, "lr": args.lr,
+                 "optimizer": args.optimizer, "daemon_socket": args.daemon_socket,
+                 "metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr, "device": args.device,
+                 "job_name": job.name}
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    if plan is not None:
+        overrides["plan_labels"] = {"method": plan.method, "objective": ",".join(sorted(plan.objective))}
+    result = train(job, plan, schedule_mode=args.schedule, nproc=args.nproc, **overrides)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _print_summary(result, args.json)
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name, low in (("steps", 0), ("nproc", 1), ("metrics_port", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise KareusError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if args.metrics_port is not None and args.metrics_port > 65535:
+        raise KareusError(f"--metrics-port must be <= 65535, got {args.metrics_port}")
+    if not args.lr > 0:
+        raise KareusError(f"--lr must be > 0, got {args.lr}")
+
+
+def _print_summary(result, as_json: bool) -> None:
+    steps = len(result.losses)
+    summary = {
+        "steps": steps,
+        "first_loss": result.losses[0] if steps else None,
+        "final_loss": result.losses[-1] if steps else None,
+        "mean_iteration_time_s": sum(result.iteration_time_s) / steps if steps else None,
+        "energy_j_per_iteration": sum(result.energy_j) / steps if steps else None,
+        "energy_source": result.energy_source,
+        "modelled_iteration_time_s": result.modelled_time_s,
+        "tokens_per_step": result.tokens_per_step,
+        "out_dir": result.out_dir,
+    }
+    if as_json:
+        print(json.dumps(summary))
+        return
+    if not steps:
+        print("kareus train: 0 steps run", file=sys.stdout)
+        return
+    print(f"kareus train: {steps} steps, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+          f"{summary['mean_iteration_time_s'] * 1e3:.1f} ms/iteration, "
+          f"{summary['energy_j_per_iteration']:.3g} J/iteration ({result.energy_source})")
+    if result.out_dir:
+        print(f"progress: {os.path.join(result.out_dir, 'train.jsonl')}")
