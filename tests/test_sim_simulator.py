@@ -155,8 +155,12 @@ def test_physics_directions(clock, slot, sms) -> None:
     assert here.time_s > 0 and here.dynamic_energy_j > 0
     if clock > 900:
         slower = sim.partition(FWD_ATTN, clock - 30, sms, slot)
-        assert slower.avg_power_w < here.avg_power_w
-        assert slower.time_s >= here.time_s * (1 - 1e-9)
+        assert slower.avg_power_w <= here.avg_power_w + 1e-9
+        if not here.throttled:
+            assert slower.avg_power_w < here.avg_power_w
+            assert slower.time_s >= here.time_s * (1 - 1e-9)
+        # Throttled, a lower lock can even be faster: the controller's dither is capped at the
+        # lock, so a lower cap wastes less power on f·V² convexity (Theorem 1).
 
 
 def test_faster_gpus_run_the_same_work_faster() -> None:
