@@ -156,9 +156,12 @@ def test_physics_directions(clock, slot, sms) -> None:
     if clock > 900:
         slower = sim.partition(FWD_ATTN, clock - 30, sms, slot)
         if not here.throttled:
-            # Same work at a lower clock: never faster, never more dynamic energy (f·V² per cycle).
-            assert slower.time_s >= here.time_s * (1 - 1e-9)
+            # Same work at a lower clock never costs more dynamic energy (f·V² per cycle) ...
             assert slower.dynamic_energy_j <= here.dynamic_energy_j * (1 + 1e-9)
+            if here.exposed_comm_s == 0:
+                # ... and is never faster while compute bounds the partition. (When the collective
+                # bounds it, slower memory-bound kernels leave it more HBM bandwidth.)
+                assert slower.time_s >= here.time_s * (1 - 1e-9)
         # Throttled, a lower lock can even be faster: the controller's dither is capped at the
         # lock, so a lower cap wastes less power on f·V² convexity (Theorem 1).
 
