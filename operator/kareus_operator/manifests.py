@@ -198,7 +198,7 @@ def train_pod(job: Mapping[str, Any], spec: JobSpec, settings: Settings, index: 
     env = {
         "MASTER_ADDR": f"{train_pod_name(name, 0)}.{train_service_name(name)}.{namespace}.svc",
         "MASTER_PORT": str(master_port(meta["uid"])), "NNODES": str(training.nodes), "NODE_RANK": str(index),
-        "NPROC_PER_NODE": str(training.gpus_per_node), "KAREUS_NODE_SOCKET_DIR": settings.node_socket_dir,
+        "NPROC_PER_NODE": str(training.gpus_per_node), "KAREUS_DAEMON_SOCKET": f"{settings.node_socket_dir}/node.sock",
         **{var.name: var.value for var in training.env},
     }
     plan_volume = ("plan", {"configMap": {"name": plan_configmap_name(name)}}, MOUNT_PLAN)

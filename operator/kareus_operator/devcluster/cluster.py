@@ -176,7 +176,9 @@ class DevCluster:
         socket_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.workdir / "node-daemon.log", "ab")  # noqa: SIM115
         process = subprocess.Popen(
-            [exe, "--backend", "sim", "--standalone", "--socket-dir", str(socket_dir)],
+            [exe, "--backend", "sim", "--sim-gpus", "8", "--standalone", "--socket", str(socket_dir / "node.sock"),
+             "--state-dir", str(self.workdir / "node" / "state"), "--node-name", NODE_NAME,
+             "--metrics-address", "127.0.0.1", "--metrics-port", "0"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         return process

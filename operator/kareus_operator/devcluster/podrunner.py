@@ -52,6 +52,7 @@ class RunningPod:
     processes: list[asyncio.subprocess.Process] = field(default_factory=list)
     task: asyncio.Task | None = None
     configmaps: dict[str, Path] = field(default_factory=dict)  # ConfigMap name -> directory
+    host_paths: dict[str, Path] = field(default_factory=dict)  # volume name -> host directory
 
 
 class PodRunner:
@@ -172,9 +173,7 @@ class PodRunner:
             elif "hostPath" in volume:
                 host = self.host_root / volume["hostPath"]["path"].lstrip("/")
                 host.mkdir(parents=True, exist_ok=True)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if not target.exists():
-                    target.symlink_to(host)
+                pod.host_paths[volume["name"]] = host  # used directly: Unix socket paths must stay short
             else:
                 target.mkdir(parents=True, exist_ok=True)  # emptyDir and anything else: a fresh dir
 
@@ -217,7 +216,7 @@ class PodRunner:
     def _mounts(self, pod: RunningPod, container: Mapping[str, Any]) -> list[tuple[str, str]]:
         pairs = []
         for mount in container.get("volumeMounts", []) or []:
-            source = pod.sandbox / "volumes" / mount["name"]
+            source = pod.host_paths.get(mount["name"], pod.sandbox / "volumes" / mount["name"])
             if mount.get("subPath"):
                 source = source / mount["subPath"]
             pairs.append((mount["mountPath"].rstrip("/"), str(source)))

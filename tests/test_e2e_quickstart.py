@@ -1,0 +1,136 @@
+"""End to end: `examples/quickstart.yaml` through the official `kubernetes` client on the dev cluster.
+
+`kareus dev-cluster` runs as a subprocess (API emulator, pod runner, the kopf operator, the simulated
+node daemon); pods run the real `kareus profile`, `kareus optimize` and `kareus train --nproc 2`
+(torch + gloo on CPU, simulated GPU energy). Checks: the job succeeds with the documented
+conditions, a plan ConfigMap and measured energy; an identical second job reuses the profile; an
+objective change while training re-selects the plan from the stored frontier; deleting a job
+removes every child; invalid manifests are rejected by the API with the field path.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kareus_operator.devcluster.cluster import DevClusterProcess
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+GROUP, VERSION, PLURAL, NS = "kareus.dev", "v1alpha1", "kareusjobs", "default"
+OPERATOR_ENV = ("KAREUS_OPERATOR_RESYNC_S=2", "KAREUS_OPERATOR_BACKOFF_BASE_S=1",
+                "KAREUS_OPERATOR_PROGRESS_INTERVAL_S=0.5")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("e2e")
+    args = [arg for item in OPERATOR_ENV for arg in ("--operator-env", item)]
+    with DevClusterProcess(workdir, extra_args=args) as dev:
+        api_client = config.new_client_from_config(config_file=str(dev.kubeconfig))
+        yield dev, client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+
+
+def manifest(name: str) -> dict:
+    job = yaml.safe_load(QUICKSTART.read_text())
+    job["metadata"]["name"] = name
+    return job
+
+
+def get_job(jobs, name: str) -> dict | None:
+    try:
+        return jobs.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+def wait_for(jobs, name: str, check, timeout_s: float = 300.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    job = None
+    while time.monotonic() < deadline:
+        job = get_job(jobs, name)
+        if check(job):
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"{name}: timed out; last status {job and job.get('status')}")
+
+
+def phase(job: dict | None) -> str | None:
+    return ((job or {}).get("status") or {}).get("phase")
+
+
+def conditions(job: dict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in (job.get("status") or {}).get("conditions", [])}
+
+
+def test_invalid_manifests_are_rejected_with_field_paths(cluster):
+    _, jobs, _ = cluster
+    bad = manifest("bad")
+    bad["spec"]["parallelism"]["tensor"] = 0
+    with pytest.raises(ApiException) as error:
+        jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, bad)
+    assert error.value.status == 422 and "spec.parallelism.tensor" in error.value.body
+    two = manifest("two-objectives")
+    two["spec"]["objective"]["energyBudget"] = {"perIterationJoules": 5.0}
+    with pytest.raises(ApiException) as error:
+        jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, two)
+    assert error.value.status == 422 and "spec.objective" in error.value.body
+    assert get_job(jobs, "bad") is None
+
+
+def test_quickstart_end_to_end(cluster):
+    _, jobs, core = cluster
+    created = jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, manifest("quickstart"))
+    assert created["metadata"]["uid"] and created["metadata"]["generation"] == 1
+
+    # A second identical job, created once the first has profiled, reuses the profile.
+    first = wait_for(jobs, "quickstart", lambda j: conditions(j).get("Profiled") == ("True", "Measured"))
+    jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, manifest("quickstart-2"))
+    second = wait_for(jobs, "quickstart-2", lambda j: phase(j) in ("Training", "Failed"))
+    assert conditions(second)["Profiled"] == ("True", "CacheHit"), second["status"]
+    assert second["status"]["profile"]["key"] == first["status"]["profile"]["key"]
+
+    # Changing the objective while training re-selects from the stored frontier (no re-profiling).
+    plan_before = json.loads(core.read_namespaced_config_map("quickstart-2-plan", NS).data["plan.json"])
+    objective = {"spec": {"objective": {"maxThroughput": None, "timeBudget": {"maxSlowdownPercent": 20.0}}}}
+    jobs.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "quickstart-2", copy.deepcopy(objective))
+    reselected = wait_for(jobs, "quickstart-2", lambda j: (j["status"].get("plan") or {}).get("reselections") == 1
+                          or phase(j) in ("Succeeded", "Failed"))
+    assert conditions(reselected)["Planned"] == ("True", "Reselected"), reselected["status"]
+    plan_after = json.loads(core.read_namespaced_config_map("quickstart-2-plan", NS).data["plan.json"])
+    assert plan_after["objective"] != plan_before["objective"]
+    assert plan_after["frontier"] == plan_before["frontier"]  # same frontier: nothing re-profiled or re-solved
+    assert plan_after["predicted"]["iteration_energy_j"] <= plan_before["predicted"]["iteration_energy_j"]
+    assert core.list_namespaced_pod(NS, label_selector="kareus.dev/job-name=quickstart-2,kareus.dev/role=profile").items == []
+
+    done = wait_for(jobs, "quickstart", lambda j: phase(j) in ("Succeeded", "Failed"))
+    assert done["status"]["phase"] == "Succeeded", done["status"]
+    assert conditions(done) == {"Profiled": ("True", "Measured"), "Planned": ("True", "Optimized"),
+                                "Training": ("False", "Completed"), "Complete": ("True", "Completed")}
+    plan_cm = core.read_namespaced_config_map(done["status"]["plan"]["configMap"], NS)
+    plan = json.loads(plan_cm.data["plan.json"])
+    assert plan["kind"] == "KareusPlan" and done["status"]["plan"]["frontierPoints"] == len(plan["frontier"]["rows"])
+    assert plan_cm.metadata.owner_references[0].uid == created["metadata"]["uid"]
+    measured = done["status"]["measured"]
+    assert measured["iterations"] == 8 and measured["energyJoules"] > 0 and measured["averageIterationSeconds"] > 0
+    assert core.read_namespaced_pod_log("quickstart-train-0", NS).strip()
+    finished_second = wait_for(jobs, "quickstart-2", lambda j: phase(j) in ("Succeeded", "Failed"))
+    assert finished_second["status"]["phase"] == "Succeeded", finished_second["status"]
+
+    # Deleting the job removes every child; the shared profile cache stays.
+    jobs.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "quickstart")
+    wait_for(jobs, "quickstart", lambda j: j is None, timeout_s=60)
+    selector = "kareus.dev/job-name=quickstart"
+    assert core.list_namespaced_pod(NS, label_selector=selector).items == []
+    assert core.list_namespaced_config_map(NS, label_selector=selector).items == []
+    assert core.list_namespaced_service(NS, label_selector=selector).items == []
+    assert core.read_namespaced_config_map(done["status"]["profile"]["configMap"], NS).data["profile.json"]
