@@ -154,7 +154,7 @@ def _cost_model(candidates: CandidateExecutionOptions, kind: str) -> CostModel:
 
 
 @dataclass
-class _Problem:
+class PipelineProblem:
     """Everything the solver loop needs: the DAG, option tables and the exact evaluator."""
 
     dag: PipelineDAG
@@ -194,10 +194,10 @@ def iteration_frontier(options: Sequence[StageOptions], num_microbatches: int, *
             raise KareusError(f"stage {s} has no measured way to run its "
                               f"{'forward' if not stage.forward else 'backward'} instruction: "
                               "the profile lacks points at every clock")
-    full = _Problem(PipelineDAG.build(len(options), num_microbatches), options, p_static_w, gpus_per_stage)
+    full = PipelineProblem(PipelineDAG.build(len(options), num_microbatches), options, p_static_w, gpus_per_stage)
     solved_microbatches = settings.microbatches_for(len(options), num_microbatches)
     reduced = (full if solved_microbatches == num_microbatches else
-               _Problem(PipelineDAG.build(len(options), solved_microbatches), options, p_static_w, gpus_per_stage))
+               PipelineProblem(PipelineDAG.build(len(options), solved_microbatches), options, p_static_w, gpus_per_stage))
     rows = []
     for picks in _solve(reduced, settings):
         expanded = picks if reduced is full else expand_picks(reduced.dag, full.dag, picks)
@@ -206,11 +206,11 @@ def iteration_frontier(options: Sequence[StageOptions], num_microbatches: int, *
     return FrontierTable(options, _pareto_rows(rows, settings.max_rows))
 
 
-def _extreme_picks(problem: _Problem, fastest: bool) -> list[int]:
+def _extreme_picks(problem: PipelineProblem, fastest: bool) -> list[int]:
     return [0 if fastest else len(problem.table(i)) - 1 for i in range(len(problem.dag.nodes))]
 
 
-def unit_time_for(problem: _Problem, steps: int) -> float:
+def unit_time_for(problem: PipelineProblem, steps: int) -> float:
     """The time unit giving about `steps` solver steps between the slowest and fastest plans."""
     slow_s, _ = problem.evaluate(_extreme_picks(problem, fastest=False))
     fast_s, _ = problem.evaluate(_extreme_picks(problem, fastest=True))
@@ -239,7 +239,7 @@ def expand_picks(reduced: PipelineDAG, full: PipelineDAG, picks: Sequence[int]) 
     return [by_node[(s, k, source_microbatch(m))] for s, k, m in full.nodes]
 
 
-def reclaim_slack(problem: _Problem, picks: Sequence[int]) -> list[int]:
+def reclaim_slack(problem: PipelineProblem, picks: Sequence[int]) -> list[int]:
     """Slow every instruction that has slack down to the slowest option that still fits.
 
     Options are Pareto-sorted (slower = less effective energy), so this lowers energy and never
@@ -266,7 +266,7 @@ def reclaim_slack(problem: _Problem, picks: Sequence[int]) -> list[int]:
     return picks
 
 
-def _solve(problem: _Problem, settings: FrontierSettings) -> list[list[int]]:
+def _solve(problem: PipelineProblem, settings: FrontierSettings) -> list[list[int]]:
     """The option picks of the starting plan and of every solver step."""
     unit_s = unit_time_for(problem, settings.steps_for(len(problem.dag.nodes)))
     specs = {key: _spec(problem, key, unit_s, settings.cost_model)
@@ -293,7 +293,7 @@ def _solve(problem: _Problem, settings: FrontierSettings) -> list[list[int]]:
     return steps
 
 
-def _spec(problem: _Problem, key: tuple[int, str], unit_s: float, cost_model: str) -> OperationSpec:
+def _spec(problem: PipelineProblem, key: tuple[int, str], unit_s: float, cost_model: str) -> OperationSpec:
     stage, kind = key
     table = problem.options[stage].of(kind)
     execution = [ExecutionOption(real_time=o.time_s, unit_time=unit_s,
