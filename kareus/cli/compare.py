@@ -40,11 +40,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     parser.add_argument("--plan-out", metavar="PLAN.json", default=None,
                         help="also write the Kareus plan (with every method's frontier) here")
+    parser.add_argument("--solver-steps", type=int, default=None, metavar="N",
+                        help="Phillips–Dessouky steps between the slowest and fastest plan (default: adaptive)")
     parser.add_argument("--png", metavar="OUT.png", default=None, help="also draw the frontiers here")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    settings = solver_settings(args.solver_steps)
     if args.backend != "sim":
         raise KareusError(f"--backend: only 'sim' is supported by compare (the baselines' configurations are "
                           f"measured on the simulated GPU), got {args.backend!r}")
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     profile = _profile(job, args)
     from kareus.sim import Simulator, get_gpu
 
-    comparison = compare_methods(job, profile, Simulator(get_gpu(profile.gpu)), settings=FrontierSettings())
+    comparison = compare_methods(job, profile, Simulator(get_gpu(profile.gpu)), settings=settings)
     if args.plan_out and comparison.plan is not None:
         comparison.plan.save(args.plan_out)
     if args.png and comparison.plan is not None:
@@ -65,6 +68,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_comparison(comparison, Console())
     return 0
+
+
+def solver_settings(steps: int | None, max_rows: int = FrontierSettings.max_rows) -> FrontierSettings:
+    """Solver settings from the command line, checked."""
+    if steps is not None and steps < 10:
+        raise KareusError(f"--solver-steps: must be >= 10, got {steps}")
+    if max_rows < 2:
+        raise KareusError(f"--max-rows: must be >= 2, got {max_rows}")
+    return FrontierSettings(target_steps=steps, max_rows=max_rows)
 
 
 def _profile(job, args: argparse.Namespace) -> ProfileDocument:

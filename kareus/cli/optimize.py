@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kareus.cli.compare import solver_settings
 from kareus.errors import KareusError
 from kareus.optimizer.frontier import FrontierSettings
 from kareus.optimizer.objective import parse_objective
@@ -29,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help='override spec.objective, e.g. \'{"timeBudget": {"maxSlowdownPercent": 5}}\'')
     parser.add_argument("--baselines", action="store_true",
                         help="also solve the baselines on the simulated GPU and store their frontiers")
+    parser.add_argument("--solver-steps", type=int, default=None, metavar="N",
+                        help="Phillips–Dessouky steps between the slowest and fastest plan (default: adaptive)")
     parser.add_argument("--max-rows", type=int, default=FrontierSettings.max_rows, metavar="N",
                         help=f"frontier table rows kept (default {FrontierSettings.max_rows})")
     parser.set_defaults(func=run)
@@ -46,12 +49,10 @@ def objective_argument(text: str | None) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_rows < 2:
-        raise KareusError(f"--max-rows: must be >= 2, got {args.max_rows}")
     objective = objective_argument(args.objective)
     job = load_job(args.job)
     profile = ProfileDocument.load(args.profile)
-    settings = FrontierSettings(max_rows=args.max_rows)
+    settings = solver_settings(args.solver_steps, args.max_rows)
     if args.baselines:
         from kareus.optimizer.baselines import compare_methods
         from kareus.sim import Simulator, get_gpu
