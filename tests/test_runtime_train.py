@@ -251,3 +251,11 @@ def test_schedule_from_plan_keeps_modes_and_sequential_drops_configs():
     assert [i.clock_mhz for i in sequential.stages[0]] == [i.clock_mhz for i in schedule.stages[0]]
     with pytest.raises(KareusError, match="needs a forward and a backward"):
         Schedule(((RunInstruction("forward", 0),),), 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
+def test_cuda_smoke_says_clearly_that_it_needs_a_gpu():
+    from kareus.runtime.smoke import cuda_smoke
+
+    with pytest.raises(KareusError, match="needs a CUDA GPU"):
+        cuda_smoke()

@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA with NCCL when a GPU is visible, else CPU with gloo")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="parameter and activation type (default float32)")
+    parser.add_argument("--comm-standin", action="store_true",
+                        help="one GPU, tensor 1: run an exact no-op kernel on the comm stream where an "
+                             "all-reduce would be, to exercise the overlap machinery")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)
 
@@ -68,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"seed": args.seed, "data_path": args.data, "out_dir": args.out, "lr": args.lr,
                  "optimizer": args.optimizer, "daemon_socket": args.daemon_socket,
                  "metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr, "device": args.device,
+                 "dtype": args.dtype, "comm_standin": args.comm_standin,
                  "job_name": job.name}
     if args.steps is not None:
         overrides["steps"] = args.steps

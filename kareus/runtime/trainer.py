@@ -11,6 +11,7 @@ spawning the job's processes on this machine (CPU, gloo).
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import tempfile
@@ -35,6 +36,7 @@ from kareus.runtime.schedule import Schedule
 from kareus.workload.models import ModelShape
 from kareus.workload.partitions import build_workload, split_layers
 
+log = logging.getLogger("kareus.runtime")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -129,7 +131,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     if cuda and config.tp > 1:
         groups = nccl_groups_by_sms(config.layout.tp_groups(), ctx.tp_ranks, schedule.comm_sms_in_use())
     comm = TPComm(ctx.tp_group, config.tp, cuda=cuda, standin=config.comm_standin, groups_by_sms=groups)
-    meter = MeasuredEnergy(ctx.device.index or 0) if cuda else None
+    meter = _nvml_meter(ctx) if cuda else None
     if clock is None:
         clock = connect(config.daemon_socket, [meter.uuid] if meter else None, job=config.job_name or None)
     follower = PlanFollower(schedule.stages[ctx.pp_rank], stage=ctx.pp_rank, clock=clock)
@@ -137,10 +139,13 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                              config.activation_checkpointing)
     batcher = Batcher(load_tokens(config.data_path, config.shape.vocab_size), config.seq_len,
                       config.micro_batch_size, config.num_microbatches, config.dp, config.seed)
-    simulated = None if cuda else _simulated_energy(config, schedule)
+    simulated = None if meter else _simulated_energy(config, schedule)
+    source = "nvml" if meter else "simulated"
     optimizer = _optimizer(config, model)
     outputs = _Outputs(ctx, config, schedule)
-    losses, times, energies = [], [], []
+    records: list[StepRecord] = []
+    if meter:
+        meter.lap_j()  # count from the first step, not from start-up
     try:
         for step in range(config.steps):
             start = time.perf_counter()
@@ -152,18 +157,18 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            gpu_j = meter.lap_j() if meter else (simulated.stage_gpu_energy_j[ctx.pp_rank] if simulated else 0.0)
-            loss, elapsed, job_j = _reduce_step(ctx, local_loss, elapsed, gpu_j, config)
-            record = outputs.step(step, loss, elapsed, job_j if meter or simulated else 0.0, batcher, simulated,
-                                  "nvml" if meter else ("simulated" if simulated else "none"), gpu_j)
-            losses.append(record.loss)
-            times.append(record.iteration_time_s)
-            energies.append(record.energy_j)
+            gpu_j = meter.lap_j() if meter else simulated.stage_gpu_energy_j[ctx.pp_rank]
+            loss, elapsed, job_j = _reduce_step(ctx, local_loss, elapsed, gpu_j)
+            record = StepRecord(step, loss, elapsed, job_j, batcher.tokens_per_step,
+                                batcher.tokens_per_step / job_j if job_j > 0 else 0.0,
+                                simulated.time_s if simulated else None, source, outputs.clock_summary)
+            outputs.write(record, gpu_j)
+            records.append(record)
     finally:
         outputs.close()
         clock.close()
-    result = TrainResult(tuple(losses), tuple(times), tuple(energies), batcher.tokens_per_step,
-                         "nvml" if meter else ("simulated" if simulated else "none"),
+    result = TrainResult(tuple(r.loss for r in records), tuple(r.iteration_time_s for r in records),
+                         tuple(r.energy_j for r in records), batcher.tokens_per_step, source,
                          simulated.time_s if simulated else None, tuple(follower.log), config.out_dir,
                          outputs.metrics_port)
     return result, (model if keep_model else None)
@@ -179,6 +184,15 @@ def _check(config: TrainConfig, schedule: Schedule) -> None:
     if partitioned and config.micro_batch_size % 2:
         raise KareusError(f"spec.parallelism.microBatchSize must be even for partitioned (nanobatched) "
                           f"execution, got {config.micro_batch_size}; or use --schedule sequential")
+
+
+def _nvml_meter(ctx: DistContext) -> MeasuredEnergy | None:
+    """This GPU's NVML energy counter; None (simulated accounting, with a warning) without NVML."""
+    try:
+        return MeasuredEnergy(ctx.device.index or 0)
+    except KareusError as error:
+        log.warning("no NVML energy counter (%s); accounting energy on the simulated GPU", error)
+        return None
 
 
 def _simulated_energy(config: TrainConfig, schedule: Schedule):
@@ -212,8 +226,7 @@ def _sync_gradients(ctx: DistContext, model: StageModel) -> None:
         dist.all_reduce(model.param("embedding").grad, group=ctx.end_group)
 
 
-def _reduce_step(ctx: DistContext, local_loss: float, elapsed: float, gpu_j: float,
-                 config: TrainConfig) -> tuple[float, float, float]:
+def _reduce_step(ctx: DistContext, local_loss: float, elapsed: float, gpu_j: float) -> tuple[float, float, float]:
     """Whole-job loss (sum of last-stage contributions), time (max over ranks) and energy."""
     counts_loss = ctx.tp_rank == 0
     if not ctx.distributed:
@@ -243,15 +256,11 @@ class _Outputs:
         self.clock_summary = ({"min": float(min(clocks)), "max": float(max(clocks)),
                                "mean": sum(clocks) / len(clocks)} if clocks else {})
 
-    def step(self, step, loss, elapsed, job_j, batcher, simulated, source, gpu_j) -> StepRecord:
-        record = StepRecord(step, loss, elapsed, job_j, batcher.tokens_per_step,
-                            batcher.tokens_per_step / job_j if job_j > 0 else 0.0,
-                            simulated.time_s if simulated else None, source, self.clock_summary)
+    def write(self, record: StepRecord, gpu_energy_j: float) -> None:
         if self.writer:
             self.writer.write(record)
         if self.exporter:
-            self.exporter.observe(record, gpu_j)
-        return record
+            self.exporter.observe(record, gpu_energy_j)
 
     def close(self) -> None:
         if self.writer:
