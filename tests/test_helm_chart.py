@@ -536,6 +536,8 @@ def test_monitors_select_the_metrics_services(objects):
         assert [e["port"] for e in monitor["spec"]["endpoints"]] == [p["name"] for p in service["spec"]["ports"]]
     agent = objs[("ServiceMonitor", AGENT_NS, "kareus-node-agent")]
     assert agent["spec"]["endpoints"][0]["honorLabels"] is True  # the agent's namespace/pod labels win
+    assert agent["spec"]["endpoints"][0]["relabelings"] == [
+        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
     pod_monitor = objects["podMonitor"][("PodMonitor", NAMESPACE, "kareus-training")]
     settings = pytest.importorskip("kareus_operator.settings")
     assert pod_monitor["spec"]["selector"]["matchExpressions"][0]["key"] == settings.LABEL_JOB
