@@ -8,7 +8,7 @@ import json
 import signal
 import subprocess
 
-from test_daemon_support import KAREUS_CMD, kill, start_daemon, start_hold, wait_for
+from test_daemon_support import CLOCK_CMD, DAEMON_CMD, KAREUS_CMD, kill, start_daemon, start_hold, wait_for
 
 from kareus.gpu import discover, sim_uuid
 from kareus.metric_names import GPU_CLOCK_CHANGES_TOTAL, GPU_LOCKED_CLOCK_HERTZ
@@ -29,7 +29,7 @@ def _journal(state_dir):
 def test_hold_shows_in_metrics_and_sigkill_of_the_holder_resets_within_a_second(tmp_path):
     daemon = start_daemon(tmp_path, "--standalone")
     try:
-        holder = start_hold(daemon.socket_path, GPU0, 1200)
+        holder = start_hold(daemon.socket_path, GPU0, 1200, cmd=(*KAREUS_CMD, "clock"))  # the real `kareus clock hold`
         assert daemon.metric(GPU_LOCKED_CLOCK_HERTZ, gpu_uuid=GPU0) == 1.2e9
         assert daemon.metric(GPU_LOCKED_CLOCK_HERTZ, gpu_uuid=GPU1) == 0
         assert list(_journal(daemon.state_dir)) == [GPU0]
@@ -73,7 +73,7 @@ def test_sigkill_of_the_daemon_then_restart_resets_journaled_gpus_only(tmp_path)
         assert restarted.metric(GPU_LOCKED_CLOCK_HERTZ, gpu_uuid=GPU1) == 1.005e9
         assert restarted.metric(GPU_CLOCK_CHANGES_TOTAL, gpu_uuid=GPU1) == 0
         assert _journal(restarted.state_dir) == {}
-        status = json.loads(subprocess.run([*KAREUS_CMD, "clock", "status", "--socket", restarted.socket_path, "--json"],
+        status = json.loads(subprocess.run([*CLOCK_CMD, "status", "--socket", restarted.socket_path, "--json"],
                                            capture_output=True, text=True, check=True).stdout)
         assert status["restored_on_start"] == [GPU0]
         table = subprocess.run([*KAREUS_CMD, "clock", "status", "--socket", restarted.socket_path],
@@ -89,7 +89,7 @@ def test_hold_refusals_are_one_line_errors(tmp_path):
     daemon = start_daemon(tmp_path, "--standalone", "--config", str(_policy(tmp_path)))
     try:
         def hold(*args):
-            return subprocess.run([*KAREUS_CMD, "clock", "hold", "--socket", daemon.socket_path, *args],
+            return subprocess.run([*CLOCK_CMD, "hold", "--socket", daemon.socket_path, *args],
                                   capture_output=True, text=True, timeout=30)
         out = hold("--gpu", GPU0, "--mhz", "1410")
         assert out.returncode == 1
@@ -100,7 +100,7 @@ def test_hold_refusals_are_one_line_errors(tmp_path):
         assert "Traceback" not in out.stderr
         assert daemon.metric("kareus_daemon_requests_total", result="refused") == 1
         assert daemon.metric("kareus_daemon_requests_total", result="invalid") == 1
-        missing = subprocess.run([*KAREUS_CMD, "clock", "status", "--socket", str(tmp_path / "none.sock")],
+        missing = subprocess.run([*CLOCK_CMD, "status", "--socket", str(tmp_path / "none.sock")],
                                  capture_output=True, text=True, timeout=30)
         assert missing.returncode == 1
         assert "cannot connect to" in missing.stderr
@@ -113,3 +113,31 @@ def _policy(tmp_path):
     path.write_text("clockBounds:\n  default: {floorMHz: 900}\n  gpuModels:\n"
                     "    NVIDIA-A100-SXM4-40GB: {floorMHz: 1005, ceilingMHz: 1305}\n")
     return path
+
+
+def test_startup_errors_are_one_line_and_nothing_is_served(tmp_path):
+    base = [*DAEMON_CMD, "--socket", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path / "state"),
+            "--metrics-port", "0", "--metrics-address", "127.0.0.1", "--standalone"]
+    (tmp_path / "bad.yaml").write_text("maxConnections: 0\n")
+    cases = [
+        (["--backend", "nvml"], "kareus-node: error: NVML is not available"),  # no driver here: fail closed
+        (["--backend", "sim", "--config", str(tmp_path / "bad.yaml")], "maxConnections: must be a whole number > 0, got 0"),
+        (["--backend", "sim", "--allow-list", str(tmp_path / "none.yaml")], "none.yaml: cannot be read"),
+    ]
+    for args, message in cases:
+        out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1, out
+        assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert not (tmp_path / "s.sock").exists()
+
+
+def test_json_logs_say_why_a_gpu_was_reset(tmp_path):
+    daemon = start_daemon(tmp_path, "--standalone", "--log-format", "json")
+    holder = start_hold(daemon.socket_path, GPU1, 1200)
+    kill(holder)
+    wait_for(lambda: daemon.metric(GPU_LOCKED_CLOCK_HERTZ, gpu_uuid=GPU1) == 0)
+    assert daemon.stop() == 0
+    records = [json.loads(line) for line in (tmp_path / "daemon.log").read_text().splitlines()]
+    reset = [r for r in records if r["message"].startswith(f"GPU {GPU1} back to default clocks")]
+    assert len(reset) == 1 and "client disconnected" in reset[0]["message"]
+    assert {"time", "level", "logger", "message"} <= set(reset[0])

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PYTHON = sys.executable
 DAEMON_CMD = [PYTHON, "-m", "kareus_node.main"]
-KAREUS_CMD = [PYTHON, "-m", "kareus"]
+KAREUS_CMD = [PYTHON, "-m", "kareus"]  # the real dispatcher (loads every command: slow to start)
+CLOCK_CMD = [PYTHON, "-m", "kareus.cli.clock"]  # the same `clock` commands, quick to start
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02) -> object:
@@ -98,9 +99,9 @@ def start_daemon(tmp_path: Path, *args: str, gpus: int = 2, state_dir: Path | No
     return DaemonProcess(proc, socket_path, state_dir, url)
 
 
-def start_hold(socket_path: str, gpu: str, mhz: int) -> subprocess.Popen:
+def start_hold(socket_path: str, gpu: str, mhz: int, *, cmd: tuple[str, ...] = tuple(CLOCK_CMD)) -> subprocess.Popen:
     """`kareus clock hold`, returned once it printed that the lock is in place."""
-    proc = subprocess.Popen([*KAREUS_CMD, "clock", "hold", "--socket", socket_path, "--gpu", gpu, "--mhz", str(mhz)],
+    proc = subprocess.Popen([*cmd, "hold", "--socket", socket_path, "--gpu", gpu, "--mhz", str(mhz)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = read_line(proc)
     assert line.startswith("locked "), line

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from kareus.daemon_client import DaemonConnection, DaemonError
+from kareus.errors import KareusError
 
 DEFAULT_SOCKET = "/run/kareus/node.sock"
 
@@ -71,3 +73,21 @@ def _row(gpu: dict[str, Any]) -> tuple[str, ...]:
     locked = gpu.get("locked_clock_mhz")
     return (gpu["uuid"], gpu["name"], str(locked) if locked else "-", str(gpu["sm_clock_mhz"]),
             f"{gpu['power_w']:.1f}", f"{gpu['energy_j']:.1f}", str(gpu["clock_changes"]), who)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kareus.cli.clock …`: the same commands without loading every other `kareus` command."""
+    parser = argparse.ArgumentParser(prog="kareus clock", description="talk to the node daemon")
+    register(parser.add_subparsers(dest="clock_command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KareusError as error:
+        print(f"kareus: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

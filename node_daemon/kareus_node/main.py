@@ -89,8 +89,12 @@ async def _run(args: argparse.Namespace) -> int:
         log.warning("reset %d GPU(s) left locked by a previous daemon: %s", len(restored), ", ".join(restored))
     daemon.start_workers()
     metrics.watch(daemon)
-    http = serve_http(args.metrics_address, args.metrics_port, metrics,
-                      lambda: daemon.ready and daemon.auth_healthy)
+    try:
+        http = serve_http(args.metrics_address, args.metrics_port, metrics,
+                          lambda: daemon.ready and daemon.auth_healthy)
+    except OSError as error:
+        raise KareusError(f"--metrics-port {args.metrics_port}: cannot listen on {args.metrics_address} "
+                          f"({error.strerror or error})") from None
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, daemon.stop)
@@ -104,6 +108,9 @@ async def _run(args: argparse.Namespace) -> int:
 
     try:
         await daemon.serve(args.socket, on_ready=announce)
+    except OSError as error:
+        daemon.stop()
+        raise KareusError(f"--socket {args.socket}: cannot serve ({error.strerror or error})") from None
     finally:
         heartbeat.cancel()
         http.shutdown()
