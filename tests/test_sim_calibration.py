@@ -161,3 +161,21 @@ def test_locking_at_the_throttled_mean_is_as_fast_and_cheaper() -> None:
     assert requested.throttled and requested.avg_clock_mhz < 1380
     assert locked.time_s <= requested.time_s * 1.01
     assert locked.energy_j < requested.energy_j * 0.99
+
+
+def test_megatron_throughput_is_near_the_papers_99_tflops() -> None:
+    """Table 1's setup (Qwen3 1.7B, 16 A100s, CP2·TP4·PP2, mbs 8, seq 4096): Megatron-LM reaches
+    ~99 TFLOP/s of model FLOPs per GPU. Steady-state 1F1B throughput (bubble excluded): the slowest
+    stage's forward + backward (with recompute) per microbatch."""
+    shape = get_preset("qwen3-1.7b")
+    workload = build_workload(shape, tp=4, cp=2, pp=2, seq_len=4096, micro_batch_size=8)
+    simulator = Simulator(A100)
+    tokens = 8 * 4096
+    h = shape.hidden_size
+    layer = h * (shape.q_size + 2 * shape.kv_size) + shape.q_size * h + 3 * h * shape.ffn_hidden_size
+    attention = 2 * 2 * tokens * 4096 / 2 * shape.q_size * shape.num_layers
+    model_flops = 6 * layer * shape.num_layers * tokens + 6 * h * shape.vocab_size * tokens + 3 * attention
+    stage_s = max(simulator.instruction(stage, "forward", 1410, None).time_s
+                  + simulator.instruction(stage, "backward", 1410, None).time_s for stage in workload.stages)
+    tflops_per_gpu = model_flops / stage_s / 16 / 1e12
+    assert 80 <= tflops_per_gpu <= 120
