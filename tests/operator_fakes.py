@@ -4,7 +4,8 @@ They do what the real phases do at the interface the operator sees — write a p
 document with a prediction and frontier rows, a `train.jsonl` progress log — in milliseconds.
 Failures are injected by the job's name: a job named `x-f2train` fails its first 2 training runs
 (exit 3), `x-f1profile` its first profiling run (runs counted in `FAKE_STATE_DIR`). `FAKE_STEP_S`
-is the time per fake training step, `FAKE_STEPS` the number of steps.
+is the time per fake training step, `FAKE_STEPS` the number of steps, `FAKE_PHASE_S` how long
+profiling and optimizing take.
 
     python tests/operator_fakes.py profile JOB --out PROFILE
     python tests/operator_fakes.py optimize JOB --profile PROFILE --out PLAN
@@ -25,7 +26,7 @@ STEP_ENERGY_J = 123.0
 STEP_TIME_S = 0.25
 
 
-def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4) -> dict[str, str]:
+def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4, phase_s: float = 0.0) -> dict[str, str]:
     """Operator environment that makes every pod run these fakes."""
     python = sys.executable
     env = {
@@ -35,7 +36,7 @@ def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4) -> di
         "KAREUS_OPERATOR_TRAIN_COMMAND": json.dumps([python, SCRIPT, "train"]),
         "KAREUS_OPERATOR_PUBLISH_COMMAND": json.dumps([python, "-m", "kareus_operator.main", "publish"]),
         "KAREUS_OPERATOR_EXTRA_POD_ENV": json.dumps({"FAKE_STATE_DIR": str(state_dir), "FAKE_STEP_S": str(step_s),
-                                                     "FAKE_STEPS": str(steps)}),
+                                                     "FAKE_STEPS": str(steps), "FAKE_PHASE_S": str(phase_s)}),
         "KAREUS_OPERATOR_RESYNC_S": "2", "KAREUS_OPERATOR_BACKOFF_BASE_S": "0.5",
         "KAREUS_OPERATOR_PROGRESS_INTERVAL_S": "0.2",
     }
@@ -62,6 +63,8 @@ def _maybe_fail(phase: str) -> None:
 def main() -> int:
     phase = sys.argv[1]
     _maybe_fail(phase)
+    if phase in ("profile", "optimize"):
+        time.sleep(float(os.environ.get("FAKE_PHASE_S", "0")))
     if phase == "profile":
         Path(_arg("--out")).write_text(json.dumps({"fake": "profile", "job": sys.argv[2]}))
     elif phase == "optimize":
