@@ -205,3 +205,13 @@ def test_spec_is_immutable_once_training_started(job):
     before_training["status"] = {"phase": "Profiling"}
     changed["spec"]["sequenceLength"] = 128
     assert validate_object(CRD, changed, before_training) == []
+
+
+def test_field_reference_lists_every_field():
+    """docs/kareusjob.md documents every spec and status field of the CRD."""
+    reference = (ROOT / "docs" / "kareusjob.md").read_text()
+    for part in ("spec", "status"):
+        for path, _ in walk(SCHEMA["properties"][part], part):
+            if path.endswith(("{}", "[]")):  # map values and list items of scalars are described by their field
+                continue
+            assert f"`{path}`" in reference, path
