@@ -173,7 +173,11 @@ def _step(grid: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class StageWorkload:
-    """What one pipeline stage runs per microbatch instruction."""
+    """What one pipeline stage runs per microbatch instruction: partition instances per type
+    (each is one nanobatch's work), the non-partition ops (embedding on the first stage; final
+    norm, output layer and loss on the last), and the same layers as Megatron-style op lists for
+    a whole microbatch (backward under activation checkpointing includes the recomputed forward).
+    `partition_types` is the workload's, so a stage can be simulated on its own."""
 
     index: int
     num_layers: int
