@@ -4,8 +4,8 @@ Rank order is tensor-parallel fastest, then pipeline, then data:
 `rank = (dp_rank · pp + pp_rank) · tp + tp_rank`, so a TP group is a run of consecutive ranks
 (one node's GPUs in the usual layout). `init_distributed` reads the torchrun environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or takes a store from `spawn_local`, which starts
-N CPU processes on this machine (gloo over loopback, a file store: no TCP port to pick). With one
-process and no environment nothing is initialised and every collective is skipped.
+N processes on this machine joined by a file store (no TCP port to pick; gloo pinned to loopback).
+With one process and no environment nothing is initialised and every collective is skipped.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def shutdown() -> None:
 
 
 def spawn_local(nproc: int, fn: Callable, *args) -> None:
-    """Run `fn(rank, store, *args)` in `nproc` fresh CPU processes joined by a file store.
+    """Run `fn(rank, store, *args)` in `nproc` fresh processes joined by a file store.
 
     Gloo is pinned to the loopback interface so nothing listens beyond this machine.
     """
@@ -146,8 +146,9 @@ def spawn_local(nproc: int, fn: Callable, *args) -> None:
 
 
 def _spawned(rank: int, nproc: int, store_path: str, fn: Callable, args: tuple) -> None:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for var in ("RANK", "WORLD_SIZE"):
         os.environ.pop(var, None)
+    os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, nproc)
     try:

@@ -297,8 +297,18 @@ def train(job, plan=None, *, schedule_mode: str = "plan", nproc: int | None = No
         result, _ = run_rank(ctx, config, schedule, clock=clock)
         return result
     with tempfile.TemporaryDirectory(prefix="kareus-train-") as tmp:
-        spawn_local(world, _spawned_rank, replace(config, device="cpu"), schedule, tmp)
+        spawn_local(world, _spawned_rank, replace(config, device=_spawn_device(config.device, world)), schedule, tmp)
         return pickle.loads((Path(tmp) / "rank0.pkl").read_bytes())
+
+
+def _spawn_device(device: str, world: int) -> str:
+    """Local processes use one GPU each when there are enough, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.device_count() >= world else "cpu"
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise KareusError(f"--device cuda: {world} processes need {world} GPUs, "
+                          f"{torch.cuda.device_count()} visible")
+    return device
 
 
 def build_schedule(job, plan, config: TrainConfig, schedule_mode: str = "plan") -> Schedule:
@@ -326,7 +336,7 @@ def _check_plan_matches(plan, config: TrainConfig) -> None:
 
 
 def _spawned_rank(rank: int, store, config: TrainConfig, schedule: Schedule, result_dir: str) -> None:
-    ctx = init_distributed(config.layout, rank=rank, store=store, device="cpu")
+    ctx = init_distributed(config.layout, rank=rank, store=store, device=config.device)
     result, _ = run_rank(ctx, config, schedule)
     if rank == 0:
         (Path(result_dir) / "rank0.pkl").write_bytes(pickle.dumps(result))
