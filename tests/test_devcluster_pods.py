@@ -1,0 +1,84 @@
+"""The dev cluster's pod runner: pods as local processes, with env, volumes, status, logs and deletion."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+
+from kareus_operator.devcluster.cluster import DevCluster
+from kareus_operator.kube import Kube, load_kubeconfig, path
+
+PY = sys.executable
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def pod(name: str, command: list[str], **spec) -> dict:
+    return {"metadata": {"name": name, "labels": {"app": "t"}},
+            "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "command": command, **spec.pop("container", {})}],
+                     **spec}}
+
+
+async def wait_phase(kube: Kube, name: str, phases: tuple[str, ...], timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = await kube.get(path("v1", "pods", "default", name))
+        if body is not None and (body.get("status") or {}).get("phase") in phases:
+            return body
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"pod {name} never reached {phases}: {body and body.get('status')}")
+
+
+async def test_pods_run_with_env_volumes_and_logs(tmp_path):
+    async with DevCluster(tmp_path, operator=False, node_daemon=False) as cluster, \
+            Kube(load_kubeconfig(cluster.kubeconfig)) as kube:
+        await kube.create(path("v1", "configmaps", "default"), {"metadata": {"name": "cfg"}, "data": {"greeting": "hello"}})
+        program = ("import os, pathlib, sys;"
+                   "print(pathlib.Path(sys.argv[1]).read_text(), os.environ['MY_POD'], os.environ['FIXED'],"
+                   " os.environ['PEER'], os.environ['KUBERNETES_SERVICE_HOST']);"
+                   "pathlib.Path(os.environ['KAREUS_SERVICEACCOUNT_DIR'], 'token').read_text()")
+        env = [{"name": "MY_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+               {"name": "FIXED", "value": "42"}, {"name": "PEER", "value": "p-0.svc-name.default.svc"}]
+        body = pod("greeter", [PY, "-c", program, "/etc/cfg/greeting"],
+                   container={"env": env, "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}]},
+                   volumes=[{"name": "cfg", "configMap": {"name": "cfg"}}])
+        created, _ = await kube.create(path("v1", "pods", "default"), body)
+        assert "status" not in created
+        done = await wait_phase(kube, "greeter", ("Succeeded", "Failed"))
+        assert done["status"]["phase"] == "Succeeded" and done["spec"]["nodeName"] == "kareus-dev-node"
+        assert done["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        log = await kube.request("GET", path("v1", "pods", "default", "greeter", "log"))
+        assert log.split() == ["hello", "greeter", "42", "127.0.0.1", "127.0.0.1"]
+
+        await kube.create(path("v1", "pods", "default"), pod("crasher", [PY, "-c", "import sys; sys.exit(7)"]))
+        failed = await wait_phase(kube, "crasher", ("Succeeded", "Failed"))
+        assert failed["status"]["phase"] == "Failed"
+        assert failed["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 7
+
+
+async def test_configmap_updates_reach_running_pods_and_deletion_kills(tmp_path):
+    async with DevCluster(tmp_path, operator=False, node_daemon=False) as cluster, \
+            Kube(load_kubeconfig(cluster.kubeconfig)) as kube:
+        await kube.create(path("v1", "configmaps", "default"), {"metadata": {"name": "plan"}, "data": {"v": "1"}})
+        marker = tmp_path / "seen"
+        program = ("import pathlib, sys, time\n"
+                   "while pathlib.Path(sys.argv[1]).read_text() != '2': time.sleep(0.05)\n"
+                   "pathlib.Path(sys.argv[2]).write_text('updated')\n"
+                   "time.sleep(600)\n")
+        body = pod("watcher", [PY, "-c", program, "/plan/v", str(marker)],
+                   container={"volumeMounts": [{"name": "plan", "mountPath": "/plan"}]},
+                   volumes=[{"name": "plan", "configMap": {"name": "plan"}}])
+        await kube.create(path("v1", "pods", "default"), body)
+        await wait_phase(kube, "watcher", ("Running",))
+        await kube.merge_patch(path("v1", "configmaps", "default", "plan"), {"data": {"v": "2"}})
+        deadline = time.monotonic() + 20
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the ConfigMap change never reached the pod's file"
+            await asyncio.sleep(0.1)
+        process = next(p for p in cluster.runner.pods.values() if p.name == "watcher").processes[0]
+        await kube.delete(path("v1", "pods", "default", "watcher"))
+        await asyncio.wait_for(process.wait(), 10)  # deleting the pod terminated its process
+        assert process.returncode is not None
