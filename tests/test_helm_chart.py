@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kareus.policy import ClockBounds, load_policy
+from kareus.policy import ClockBounds, PolicyError, load_policy
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk has no wheel for this platform")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -444,6 +444,29 @@ def test_policy_configmap_parses_with_the_operator_loader(objects):
     assert policy.clock_bounds_for("A100-SXM4-40GB") == ClockBounds(600, 1350)
     assert policy.energy_budget_kwh("team-a") == 5000 and not policy.profile_reuse
     assert policy.allowed_namespaces == {"team-a", "team-b"}
+
+
+BAD_POLICIES = [
+    {"allowedObjectives": ["timeBudget"], "defaultObjective": "maxThroughput"},
+    {"allowedObjectives": []},
+    {"defaultObjective": "cheapest"},
+    {"maxSlowdownPercent": 0},
+    {"clockBounds": {"default": {"floorMHz": 1500, "ceilingMHz": 1400}}},
+    {"clockBounds": {"default": {"floorMHz": 1500}, "gpuModels": {"A100": {"ceilingMHz": 1400}}}},
+    {"clockBounds": {"gpuModels": {"A100": {"floorMHz": 1200.5}}}},
+    {"namespaceEnergyBudgets": {"team-a": -1}},
+    {"allowedNamespaces": ["-bad"]},
+    {"profileReuse": "yes"},
+]
+
+
+@pytest.mark.parametrize("policy", BAD_POLICIES, ids=lambda p: json.dumps(p, sort_keys=True))
+def test_chart_refuses_every_policy_the_loader_refuses(chart, policy):
+    with pytest.raises(PolicyError):
+        load_policy(policy)
+    with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as info:
+        chart.render({"policy": policy}, name=RELEASE, namespace=NAMESPACE)
+    assert "policy" in str(info.value) or next(iter(policy)) in str(info.value)
 
 
 def test_operator_settings_and_flags_are_what_the_operator_reads(objects, monkeypatch):

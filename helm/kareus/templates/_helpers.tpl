@@ -238,3 +238,32 @@ the policy's allowed ones. */}}
 {{- $namespaces := .Values.workers.namespaces | default .Values.operator.args.watchNamespaces | default .Values.policy.allowedNamespaces -}}
 {{- toJson (default list $namespaces) -}}
 {{- end -}}
+
+{{/* The cross-field rules of kareus.policy that values.schema.json cannot express, so an install
+fails with the same message the operator would log instead of running with a policy it rejects. */}}
+{{- define "kareus.policy.check" -}}
+{{- $policy := .Values.policy -}}
+{{- $allowed := $policy.allowedObjectives | default (list "maxThroughput" "timeBudget" "energyBudget") -}}
+{{- if and $policy.defaultObjective (not (has $policy.defaultObjective $allowed)) -}}
+{{- fail (printf "policy.defaultObjective: %q must be one of policy.allowedObjectives (%s)" $policy.defaultObjective (join ", " $allowed)) -}}
+{{- end -}}
+{{- $bounds := $policy.clockBounds | default dict -}}
+{{- $default := $bounds.default | default dict -}}
+{{- include "kareus.policy.checkBounds" (dict "where" "policy.clockBounds.default" "floor" $default.floorMHz "ceiling" $default.ceilingMHz) -}}
+{{- range $model, $b := $bounds.gpuModels | default dict -}}
+{{- $floor := $default.floorMHz -}}
+{{- if not (kindIs "invalid" $b.floorMHz) }}{{ $floor = $b.floorMHz }}{{ end -}}
+{{- $ceiling := $default.ceilingMHz -}}
+{{- if not (kindIs "invalid" $b.ceilingMHz) }}{{ $ceiling = $b.ceilingMHz }}{{ end -}}
+{{- include "kareus.policy.checkBounds" (dict "where" (printf "policy.clockBounds.gpuModels.%s" $model) "floor" $floor "ceiling" $ceiling) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* floor <= ceiling when both are set (values may be int64 from --set or float64 from files). */}}
+{{- define "kareus.policy.checkBounds" -}}
+{{- if and (not (kindIs "invalid" .floor)) (not (kindIs "invalid" .ceiling)) -}}
+{{- if gt (float64 .floor) (float64 .ceiling) -}}
+{{- fail (printf "%s: floor %v MHz exceeds ceiling %v MHz" .where .floor .ceiling) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
