@@ -179,3 +179,22 @@ def test_megatron_throughput_is_near_the_papers_99_tflops() -> None:
                   + simulator.instruction(stage, "backward", 1410, None).time_s for stage in workload.stages)
     tflops_per_gpu = model_flops / stage_s / 16 / 1e12
     assert 80 <= tflops_per_gpu <= 120
+
+
+@pytest.mark.parametrize("model,mbs,seq,partitioned_wins", [
+    ("llama3.2-3b", 8, 4096, True),   # big GEMMs: hiding the all-reduces pays
+    ("qwen3-1.7b", 2, 1024, False),   # small work: halving it costs efficiency and launches
+    ("tiny", 2, 64, False),
+])
+def test_splitting_small_microbatches_loses(model, mbs, seq, partitioned_wins) -> None:
+    """DESIGN §2.2: sequential execution stays a candidate because nanobatching small work loses."""
+    simulator = Simulator(A100)
+    workload = build_workload(get_preset(model), tp=8 if model != "tiny" else 2, cp=1, pp=1, seq_len=seq,
+                              micro_batch_size=mbs)
+    best = {name: min(((slot, sms) for slot in p.launch_slots for sms in p.comm_sms_grid),
+                      key=lambda c, p=p: simulator.partition(p, 1410, c[1], c[0]).energy_j)
+            for name, p in workload.partition_types.items()}
+    stage = workload.stages[0]
+    partitioned = simulator.instruction(stage, "forward", 1410, best)
+    sequential = simulator.instruction(stage, "forward", 1410, None)
+    assert (partitioned.energy_j < sequential.energy_j) is partitioned_wins
