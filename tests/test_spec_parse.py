@@ -218,8 +218,12 @@ def test_immutable_changes_allow_objective_and_suspend_only(quickstart):
         ["spec.backoffLimit", "spec.training"]
 
 
-def test_values_are_frozen(quickstart):
+def test_values_are_frozen_and_hashable(quickstart):
+    quickstart["metadata"]["labels"] = {"team": "a"}
+    quickstart["spec"]["model"]["layers"] = 2
+    quickstart["spec"]["training"]["resources"] = {"limits": {"memory": "8Gi"}}
     job = parse_job(quickstart)
     assert isinstance(job, KareusJob)
+    assert hash(job) == hash(parse_job(copy.deepcopy(quickstart))) and len({job, parse_job(job.to_dict())}) == 1
     with pytest.raises(AttributeError):
         job.spec.sequence_length = 1  # type: ignore[misc]

@@ -42,6 +42,11 @@ def _drop_none(mapping: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in mapping.items() if value is not None}
 
 
+def _items(mapping: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A hashable view of a mapping field, so values with dict fields stay hashable."""
+    return tuple(sorted(mapping.items()))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A preset name, an explicit shape, or a preset with some dimensions overridden.
@@ -53,6 +58,9 @@ class ModelSpec:
 
     preset: str | None = None
     overrides: dict[str, int | bool] = field(default_factory=dict)
+
+    def __hash__(self) -> int:
+        return hash((self.preset, _items(self.overrides)))
 
     def shape(self) -> ModelShape:
         values = dict(self.overrides)
@@ -165,6 +173,9 @@ class ResourcesSpec:
     requests: dict[str, str] = field(default_factory=dict)
     limits: dict[str, str] = field(default_factory=dict)
 
+    def __hash__(self) -> int:
+        return hash((_items(self.requests), _items(self.limits)))
+
     def to_dict(self) -> dict[str, Any]:
         return {key: dict(value) for key, value in (("requests", self.requests), ("limits", self.limits))
                 if value}
@@ -270,6 +281,9 @@ class KareusJob:
     namespace: str = "default"
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.namespace, _items(self.labels), _items(self.annotations), self.spec))
 
     def to_dict(self) -> dict[str, Any]:
         metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
