@@ -28,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="extra argument for `kareus-operator run` (repeatable)")
     parser.add_argument("--operator-env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment variable for the operator (repeatable)")
+    parser.add_argument("--pod-slots", type=int, metavar="N",
+                        help="at most N pods run at once; the rest wait in Pending (default: no limit)")
     parser.set_defaults(func=run)
 
 
@@ -36,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         from kareus_operator.devcluster import cluster
     except ImportError as error:
         raise KareusError(f"dev-cluster needs the operator extra (pip install 'kareus[operator]'): {error}") from None
+    if args.pod_slots is not None and args.pod_slots < 1:
+        raise KareusError(f"--pod-slots: must be >= 1, got {args.pod_slots}")
     env = {}
     for item in args.operator_env:
         name, sep, value = item.partition("=")
@@ -44,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         env[name] = value
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kareus-dev-"))
     options = {"operator": not args.no_operator, "node_daemon": not args.no_node_daemon,
-               "operator_args": args.operator_arg, "operator_env": env}
+               "operator_args": args.operator_arg, "operator_env": env, "pod_slots": args.pod_slots}
     if args.crd is not None:
         if not args.crd.exists():
             raise KareusError(f"--crd: no such file {args.crd}")

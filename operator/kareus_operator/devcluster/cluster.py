@@ -96,7 +96,7 @@ class DevCluster:
     def __init__(self, workdir: str | Path, *, kubeconfig: str | Path | None = None,
                  crd_path: str | Path | None = DEFAULT_CRD, operator: bool = True, node_daemon: bool = True,
                  operator_args: Sequence[str] = (), operator_env: Mapping[str, str] | None = None,
-                 pod_env: Mapping[str, str] | None = None) -> None:
+                 pod_env: Mapping[str, str] | None = None, pod_slots: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.kubeconfig = Path(kubeconfig) if kubeconfig else self.workdir / "kubeconfig"
         self.crd_path = Path(crd_path) if crd_path else None
@@ -105,6 +105,7 @@ class DevCluster:
         self.api = ApiEmulator()
         self.token = self.api.new_token()
         self.pod_env = dict(pod_env or {})
+        self.pod_slots = pod_slots
         self.server: kmock.Server | None = None
         self.runner: PodRunner | None = None
         self.operator_process: subprocess.Popen | None = None
@@ -145,7 +146,7 @@ class DevCluster:
                     await self.api.create(CRD_RESOURCE, None, doc)
         write_kubeconfig(self.kubeconfig, self.url, self.token)
         self.runner = PodRunner(self.api, self.workdir / "node", api_url=self.url, host_root=self.host_root,
-                                extra_env=self.pod_env)
+                                extra_env=self.pod_env, pod_slots=self.pod_slots)
         await self.runner.start()
         if self.want_node_daemon:
             self.node_process = self._start_node_daemon()

@@ -59,7 +59,7 @@ class PodRunner:
     """Runs every pod of the emulator on this machine; `start()` subscribes, `stop()` kills all."""
 
     def __init__(self, api: ApiEmulator, root: Path, *, api_url: str, host_root: Path | None = None,
-                 extra_env: Mapping[str, str] | None = None) -> None:
+                 extra_env: Mapping[str, str] | None = None, pod_slots: int | None = None) -> None:
         self.api, self.root, self.api_url = api, Path(root), api_url
         self.host_root = Path(host_root) if host_root else self.root / "host"
         self.extra_env = dict(extra_env or {})
@@ -67,6 +67,8 @@ class PodRunner:
         self._tasks: list[asyncio.Task] = []
         self._stopping: set[asyncio.Task] = set()
         self._finished_logs: dict[tuple[str, str], Path] = {}
+        # The node's capacity: pods beyond it wait in Pending, as on a full node.
+        self._slots = asyncio.Semaphore(pod_slots) if pod_slots else None
         api.log_reader = self.read_log
 
     async def start(self) -> None:
@@ -111,6 +113,13 @@ class PodRunner:
     # ------------------------------------------------------------------ one pod
 
     async def _run(self, pod: RunningPod, body: dict[str, Any]) -> None:
+        if self._slots is None:
+            await self._run_admitted(pod, body)
+            return
+        async with self._slots:
+            await self._run_admitted(pod, body)
+
+    async def _run_admitted(self, pod: RunningPod, body: dict[str, Any]) -> None:
         try:
             await self._bind(pod)
             await self._prepare(pod, body)
