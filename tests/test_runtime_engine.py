@@ -158,3 +158,10 @@ def test_layout_coordinates_round_trip():
         assert layout.rank_of(*layout.coords(rank)) == rank
     assert layout.tp_groups()[0] == (0, 1) and layout.dp_groups()[0] == (0, 4)
     assert layout.end_groups()[0] == (0, 2)
+
+
+def test_torchrun_world_size_must_match_the_layout(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(KareusError, match=r"WORLD_SIZE is 3 but the job needs tensor×pipeline×data = 2×1×1 = 2"):
+        init_distributed(Layout(tp=2), device="cpu")

@@ -174,8 +174,7 @@ class PartitionedBlock:
     def forward(self, x: Tensor, configs: Mapping[str, PartitionConfig], *, record: bool) -> tuple[Tensor, list]:
         states = [NanoState(acts={"main": half}) for half in x.chunk(NUM_NANOBATCHES)]
         with torch.no_grad():
-            self._run(self.fwd_segments, self.fwd_partitions, states, configs, self._forward_step,
-                      record=record)
+            self._run(self.fwd_segments, self.fwd_partitions, states, configs, forward=True, record=record)
         return torch.cat([s.acts["main"] for s in states]), states
 
     def _forward_step(self, step: Step, state: NanoState, record: bool) -> None:
@@ -197,10 +196,10 @@ class PartitionedBlock:
         for state, grad in zip(states, grad_y.chunk(NUM_NANOBATCHES), strict=True):
             state.grads = {"main": grad}
             state.acts.clear()
-        self._run(self.bwd_segments, self.bwd_partitions, states, configs, self._backward_step, record=False)
+        self._run(self.bwd_segments, self.bwd_partitions, states, configs, forward=False, record=False)
         return torch.cat([s.grads.pop("main") for s in states])
 
-    def _backward_step(self, step: Step, state: NanoState, record: bool) -> None:
+    def _backward_step(self, step: Step, state: NanoState) -> None:
         op = step.op
         grads_out = [state.grads.pop(c, None) for c in op.outputs]
         if all(g is None for g in grads_out):
@@ -227,8 +226,11 @@ class PartitionedBlock:
         return grads[:len(rec.inputs)]
 
     # the partition loop ------------------------------------------------------------------------
-    def _run(self, segments, partitions, states, configs, run_step, *, record: bool) -> None:
-        forward = run_step == self._forward_step
+    def _run(self, segments: tuple[Segment, ...], partitions: tuple[Partition, ...], states: list[NanoState],
+             configs: Mapping[str, PartitionConfig], *, forward: bool, record: bool) -> None:
+        """Run partitions in order; each issues its collective (on the other nanobatch's `main`
+        activation, or gradient in backward) right before the op of its launch slot, and joins it
+        at its end."""
         for part in partitions:
             segment = segments[part.segment]
             config = configs.get(part.key)
@@ -240,7 +242,10 @@ class PartitionedBlock:
                     handle = self.comm.launch((other.acts if forward else other.grads)["main"],
                                               config.comm_sms if config else None)
                     self._trace("comm", forward, part.segment, part.nb, i)
-                run_step(step, states[part.nb], record)
+                if forward:
+                    self._forward_step(step, states[part.nb], record)
+                else:
+                    self._backward_step(step, states[part.nb])
                 self._trace("op", forward, part.segment, part.nb, i)
             if handle is not None:
                 handle.join()
