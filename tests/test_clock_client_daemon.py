@@ -116,6 +116,10 @@ def test_dry_run_accepts_and_changes_nothing(tmp_path):
             assert reply["dry_run"] is True
             assert connection.read([GPU0])[0].locked_clock_mhz is None
         assert daemon.metric(DAEMON_REQUESTS_TOTAL, result="dry_run") == 1
+        with DaemonConnection(daemon.socket_path) as connection:
+            wait_for(lambda: next(g for g in connection.status()["gpus"] if g["uuid"] == GPU0)["owner"] is None)
+        assert daemon.metric(GPU_CLOCK_CHANGES_TOTAL) == 0  # neither the lock nor the release changed anything
+        assert not (daemon.state_dir / "leases.json").exists()  # nothing was ever journaled
         assert not (daemon.state_dir / "sim").exists() or not any((daemon.state_dir / "sim").iterdir())
     finally:
         daemon.stop()

@@ -30,6 +30,8 @@ from kareus_node.identity import PeerCredentials, pod_uid_of
 from kareus_node.podresources import PodResourcesClient, PodResourcesUnavailable
 from kareus_node.pods import PodDirectory, PodDirectoryUnavailable
 
+HOLDERS_MAX_AGE_S = 1.0  # the probe before every re-check round always asks afresh
+
 
 class AuthUnavailable(Exception):
     """The facts needed to authorise cannot be established right now (fail closed)."""
@@ -111,7 +113,7 @@ class KubeletAuthorizer(Authorizer):
     def _grant_for_pod(self, peer: PeerCredentials, pod_uid: str, gpu_uuids: Sequence[str]) -> Grant:
         try:
             pod = self._pods.lookup(pod_uid)
-            holders = self._pod_resources.gpu_holders()
+            holders = self._pod_resources.gpu_holders(max_age_s=HOLDERS_MAX_AGE_S)
         except (PodDirectoryUnavailable, PodResourcesUnavailable) as error:
             raise AuthUnavailable(str(error)) from None
         if pod is None:

@@ -10,6 +10,8 @@ shared allocations, so authorisation can refuse a GPU another pod may also be us
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,15 +44,24 @@ class PodResourcesClient:
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(f"unix://{socket_path}")
         self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
+        self._cached: tuple[float, dict[str, list[GPUHolder]]] | None = None
+        self._lock = threading.Lock()
 
-    def gpu_holders(self) -> dict[str, list[GPUHolder]]:
-        try:
-            response = self._stub.List(api_pb2.ListPodResourcesRequest(), timeout=self.timeout_s)
-        except grpc.RpcError as error:
-            raise PodResourcesUnavailable(
-                f"kubelet pod-resources API at {self.socket_path}: {error.code().name}"
-            ) from None
-        return gpu_holders(response.pod_resources)
+    def gpu_holders(self, *, max_age_s: float = 0.0) -> dict[str, list[GPUHolder]]:
+        """GPU UUID → holders; an answer up to `max_age_s` old may be reused, so a burst of new
+        connections costs the kubelet one call, not one each."""
+        with self._lock:
+            if self._cached and time.monotonic() - self._cached[0] <= max_age_s:
+                return self._cached[1]
+            try:
+                response = self._stub.List(api_pb2.ListPodResourcesRequest(), timeout=self.timeout_s)
+            except grpc.RpcError as error:
+                self._cached = None
+                raise PodResourcesUnavailable(
+                    f"kubelet pod-resources API at {self.socket_path}: {error.code().name}"
+                ) from None
+            self._cached = (time.monotonic(), gpu_holders(response.pod_resources))
+            return self._cached[1]
 
     def close(self) -> None:
         self._channel.close()

@@ -299,7 +299,10 @@ class Daemon:
             raise _invalid("next: no schedule was uploaded on this connection")
         grant = await self._grant(session)
         steps = {uuid: clocks[cursor % len(clocks)] for uuid, (clocks, cursor) in session.schedules.items()}
-        for uuid in steps:
+        for uuid in steps:  # the grant may have been re-checked since the upload
+            reason = self._control_refusal(grant, uuid)
+            if reason:
+                raise _refused(reason)
             self._check_lease(session, uuid)
         tickets = []
         for uuid, clock_mhz in steps.items():

@@ -94,7 +94,7 @@ class ClockWorker:
                 else:
                     self.gpu.lock_sm_clock(target, target)
             self._applied = target
-            self.clock_changes += 1
+            self.clock_changes += not self._dry_run  # dry-run only pretends: nothing changed
         except Exception as error:  # NVML failure: fail closed, back to default clocks
             self.last_error = f"{type(error).__name__}: {error}"
             log.error("GPU %s: cannot apply clock %s: %s; resetting", self.uuid, target, self.last_error)
