@@ -8,7 +8,12 @@ Each pass ranks every unmeasured point by one criterion computed from surrogate 
 - `static`: static energy is P_static × time, so the (time, static energy) plane is one line and
   its HVI is positive exactly for points predicted faster than the fastest measured one, growing
   as the predicted time drops: ranking by predicted time is that pass;
-- `uncertainty`: σ(T̂)+σ(Ê) of a bootstrap ensemble — explores where the surrogates disagree.
+- `uncertainty`: σ(T̂)+σ(Ê) of a bootstrap ensemble — explores where the surrogates disagree;
+- `transfer` (default preset): a configuration (comm SMs, launch slot) that is on the measured
+  (time, effective energy) front of some clock is likely good at the neighbouring clocks too —
+  the best overlap changes slowly with the clock. Each clock votes for the configurations on its
+  (time, effective energy) front, judged on measured values where measured and predictions
+  elsewhere; unmeasured points rank by their configuration's votes, then by total-energy HVI.
 
 Axes are min-max normalised with the measured points' bounds and the reference point is 1.1 ×
 the worst measured value. Points with zero HVI are ranked by how far they are predicted to miss
@@ -23,9 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kareus.optimizer.mbo.indicators import Normaliser, dominance_gap, hvi_2d
+from kareus.optimizer.mbo.indicators import Normaliser, dominance_gap, hvi_2d, pareto_mask
+from kareus.optimizer.mbo.problem import SearchSpace
 
-PASSES = ("total", "effective", "static", "uncertainty")
+PASSES = ("total", "effective", "static", "uncertainty", "transfer")
 
 
 @dataclass(frozen=True)
@@ -92,8 +98,29 @@ def fill_batch(rankings: Mapping[str, np.ndarray], quotas: Mapping[str, int]) ->
     return chosen
 
 
-def rank_passes(planes: Planes, uncertainty: np.ndarray | None) -> dict[str, np.ndarray]:
-    """The candidate order of every pass."""
+def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, remaining: np.ndarray,
+                  tie_break: np.ndarray) -> np.ndarray:
+    """Candidate order for the transfer pass (see the module docstring)."""
+    clock_i, sms_i, slot_i = space.axes
+    config = sms_i * len(space.launch_slots) + slot_i
+    # Every grid point's best guess: measured where measured, predicted elsewhere.
+    time_s = np.empty(space.size)
+    effective_j = np.empty(space.size)
+    time_s[measured], effective_j[measured] = planes.measured_time_s, planes.measured_effective_j
+    time_s[remaining], effective_j[remaining] = planes.predicted_time_s, planes.predicted_effective_j
+    votes = np.zeros(len(space.comm_sms) * len(space.launch_slots))
+    for clock in range(len(space.clocks_mhz)):
+        at_clock = np.flatnonzero(clock_i == clock)
+        plane = np.column_stack((time_s[at_clock], effective_j[at_clock]))
+        np.add.at(votes, config[at_clock][pareto_mask(plane)], 1.0)
+    position = np.empty(len(remaining), dtype=int)
+    position[tie_break] = np.arange(len(remaining))
+    return np.lexsort((position, -votes[config[remaining]]))
+
+
+def rank_passes(planes: Planes, uncertainty: np.ndarray | None,
+                transfer: tuple[SearchSpace, np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The candidate order of every pass; `transfer` is (space, measured, remaining) grid indices."""
     rankings = {
         "total": planes.improvement_rank("total"),
         "effective": planes.improvement_rank("effective"),
@@ -101,4 +128,7 @@ def rank_passes(planes: Planes, uncertainty: np.ndarray | None) -> dict[str, np.
     }
     if uncertainty is not None:
         rankings["uncertainty"] = np.argsort(-uncertainty, kind="stable")
+    if transfer is not None:
+        space, measured, remaining = transfer
+        rankings["transfer"] = transfer_rank(space, measured, planes, remaining, rankings["total"])
     return rankings

@@ -1,0 +1,229 @@
+"""How many measurements does each search need for the exhaustive frontier? (issue 3, item 4)
+
+For every partition type of the paper's configurations (Llama 3.2 3B and Qwen3 1.7B; TP8 and
+CP2+TP4; sequence 4096/8192; microbatch 8/16) on the simulated A100 with measurement noise, every
+grid point is measured once per seed with relative noise (that table *is* the exhaustive search,
+and every method measures by looking it up, so all methods see the same noisy measurements).
+Every method is judged by the noise-free cost of the configurations on its measured front: against
+the noisy table itself the exhaustive front is a collection of lucky draws among near-equivalent
+configurations (within a clock the best few differ by less than the noise), and matching it would
+reward measuring more rather than finding the right configurations. Then random search
+(with the paper's budget), the `paper` MBO preset and the `default` preset run on it, and the
+table reports per method (medians over partition types and seeds):
+
+- evaluations used, and their share of the grid;
+- hypervolume of the measured front relative to the exhaustive front, in the (time, effective
+  energy) and (time, total energy) planes (axes normalised by the whole grid, reference 1.1);
+- the worst partition type's median-over-seeds HV ratio (the acceptance is per type);
+- evaluations needed to reach 99 % of the exhaustive HV in both planes, and the ratio
+  default/paper of that number.
+
+    .venv/bin/python bench/mbo_efficiency.py --quick          # two configurations, 2 seeds
+    .venv/bin/python bench/mbo_efficiency.py --seeds 5 --workers 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kareus.optimizer.mbo.algorithms import get_algorithm, minimize
+from kareus.optimizer.mbo.indicators import Normaliser, hypervolume, pareto_mask
+from kareus.optimizer.mbo.problem import Problem, SearchSpace
+from kareus.sim import Simulator, get_gpu
+from kareus.workload.models import get_preset
+from kareus.workload.partitions import build_workload
+
+GPU = "A100-SXM4-40GB"
+MODELS = ("llama3.2-3b", "qwen3-1.7b")
+PARALLELISM = ((8, 1), (4, 2))  # (tp, cp)
+SEQUENCES = (4096, 8192)
+MICROBATCHES = (8, 16)
+METHODS = ("random", "paper", "default")
+TARGET = 0.99
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    tp: int
+    cp: int
+    seq: int
+    mbs: int
+    partition: str
+    seed: int
+    noise: float
+
+    @property
+    def config(self) -> str:
+        return f"{self.model} tp{self.tp}cp{self.cp} s{self.seq} b{self.mbs}"
+
+
+def cases(quick: bool, seeds: int, noise: float) -> list[Case]:
+    if quick:
+        configs = [("llama3.2-3b", 8, 1, 4096, 8), ("qwen3-1.7b", 4, 2, 4096, 8)]
+    else:
+        configs = [(m, tp, cp, s, b) for m, (tp, cp), s, b in
+                   itertools.product(MODELS, PARALLELISM, SEQUENCES, MICROBATCHES)]
+    out = []
+    for model, tp, cp, seq, mbs in configs:
+        workload = build_workload(get_preset(model), tp=tp, cp=cp, pp=1, seq_len=seq, micro_batch_size=mbs)
+        for name in workload.partition_types:
+            out.extend(Case(model, tp, cp, seq, mbs, name, seed, noise) for seed in range(seeds))
+    return out
+
+
+def _planes(time_s: np.ndarray, energy_j: np.ndarray, p_static_w: float) -> list[np.ndarray]:
+    effective = energy_j - p_static_w * time_s
+    return [np.column_stack((time_s, effective)), np.column_stack((time_s, energy_j))]
+
+
+def _front(table: np.ndarray, p_static_w: float) -> list[int]:
+    """Rows Pareto-optimal on (time, effective energy) or (time, total energy)."""
+    planes = _planes(table[:, 0], table[:, 1], p_static_w)
+    return sorted(set(np.flatnonzero(pareto_mask(planes[0]))) | set(np.flatnonzero(pareto_mask(planes[1]))))
+
+
+def run_case(case: Case) -> dict:
+    gpu = get_gpu(GPU)
+    workload = build_workload(get_preset(case.model), tp=case.tp, cp=case.cp, pp=1, seq_len=case.seq,
+                              micro_batch_size=case.mbs)
+    ptype = workload.partition_types[case.partition]
+    space = SearchSpace(gpu.search_clocks_mhz, tuple(ptype.comm_sms_grid), tuple(ptype.launch_slots))
+    candidates = [space.candidate(i) for i in range(space.size)]
+    exact = Simulator(gpu)
+    truth = np.array([(m.time_s, m.energy_j) for m in (
+        exact.partition(ptype, c.clock_mhz, c.comm_sms, c.launch_slot) for c in candidates)])
+    rng = np.random.default_rng(case.seed)
+    noisy = truth * np.maximum(1 + case.noise * rng.standard_normal(truth.shape), 0.05)
+    lookup = {c: tuple(noisy[i]) for i, c in enumerate(candidates)}
+    problem = Problem(ptype.name, space, lambda cs: [lookup[c] for c in cs], gpu.p_static_w, ptype.size_class)
+    planes = _planes(truth[:, 0], truth[:, 1], gpu.p_static_w)
+    scales = [Normaliser.fit(plane) for plane in planes]
+    optimum = [hypervolume(scale(plane)) for scale, plane in zip(scales, planes, strict=True)]
+
+    def true_hv(indices: list[int]) -> list[float]:
+        """HV of the *true* cost of the configurations on the measured (noisy) front."""
+        front = [indices[i] for i in _front(noisy[indices], gpu.p_static_w)]
+        sub = _planes(truth[front, 0], truth[front, 1], gpu.p_static_w)
+        return [hypervolume(scale(plane)) for scale, plane in zip(scales, sub, strict=True)]
+
+    exhaustive = true_hv(list(range(space.size)))
+
+    def ratios(indices: list[int]) -> list[float]:
+        return [hv / ref for hv, ref in zip(true_hv(indices), exhaustive, strict=True)]
+
+    paper_budget = get_algorithm("paper").max_evaluations(problem)
+    out = {"case": case.__dict__, "config": case.config, "grid": space.size, "methods": {},
+           "exhaustive_vs_optimum": [e / o for e, o in zip(exhaustive, optimum, strict=True)]}
+    for method in METHODS:
+        algorithm = get_algorithm(method, evaluations=paper_budget) if method == "random" else get_algorithm(method)
+        started = time.perf_counter()
+        result = minimize(problem, algorithm, seed=case.seed)
+        search_s = time.perf_counter() - started
+        indices = [space.index_of(e.candidate) for e in result.measured]
+        to_target = None
+        for step in result.history:
+            if min(ratios(indices[:step.evaluations])) >= TARGET:
+                to_target = step.evaluations
+                break
+        final = ratios(indices)
+        out["methods"][method] = {
+            "evaluations": result.evaluations, "hv_effective": final[0], "hv_total": final[1],
+            "to_target": to_target, "batches": len(result.history) - 1, "search_s": search_s,
+        }
+    return out
+
+
+def summarise(results: list[dict]) -> dict:
+    summary: dict = {}
+    for method in METHODS:
+        rows = [r["methods"][method] for r in results]
+        per_type: dict[tuple, list[float]] = {}
+        for r in results:
+            key = (r["config"], r["case"]["partition"])
+            m = r["methods"][method]
+            per_type.setdefault(key, []).append(min(m["hv_effective"], m["hv_total"]))
+        worst_key, worst = min(((k, statistics.median(v)) for k, v in per_type.items()), key=lambda kv: kv[1])
+        reached = [m["to_target"] for m in rows if m["to_target"] is not None]
+        summary[method] = {
+            "evaluations": statistics.median(m["evaluations"] for m in rows),
+            "grid_share": statistics.median(m["evaluations"] / r["grid"] for m, r in zip(rows, results, strict=True)),
+            "max_grid_share": max(m["evaluations"] / r["grid"] for m, r in zip(rows, results, strict=True)),
+            "hv_effective": statistics.median(m["hv_effective"] for m in rows),
+            "hv_total": statistics.median(m["hv_total"] for m in rows),
+            "worst_type_median_hv": worst,
+            "worst_type": " ".join(worst_key),
+            "reached_target": f"{len(reached)}/{len(rows)}",
+            "to_target": statistics.median(reached) if reached else None,
+            "search_s_per_batch": statistics.median(
+                m["search_s"] / max(1, m["batches"]) for m in rows),
+        }
+    pairs = [r["methods"]["default"]["to_target"] / r["methods"]["paper"]["to_target"] for r in results
+             if r["methods"]["default"]["to_target"] and r["methods"]["paper"]["to_target"]]
+    summary["default_over_paper_to_target"] = statistics.median(pairs) if pairs else None
+    summary["exhaustive_vs_optimum"] = statistics.median(min(r["exhaustive_vs_optimum"]) for r in results)
+    summary["default_over_paper_evaluations"] = statistics.median(
+        r["methods"]["default"]["evaluations"] / r["methods"]["paper"]["evaluations"] for r in results)
+    return summary
+
+
+def print_table(summary: dict, cases_run: int, elapsed_s: float) -> None:
+    print(f"MBO efficiency on the simulated {GPU}: {cases_run} partition searches (types × configs × seeds), "
+          f"{elapsed_s:.0f} s")
+    header = (f"{'method':<9} {'evals':>6} {'grid%':>6} {'max%':>6} {'HV eff':>7} {'HV tot':>7} {'worst type':>10} "
+              f"{'reach99':>8} {'evals→99':>9} {'s/batch':>8}")
+    print(header)
+    print("-" * len(header))
+    for method in METHODS:
+        s = summary[method]
+        to_target = "-" if s["to_target"] is None else f"{s['to_target']:.0f}"
+        print(f"{method:<9} {s['evaluations']:>6.0f} {100 * s['grid_share']:>5.1f}% {100 * s['max_grid_share']:>5.1f}% "
+              f"{s['hv_effective']:>7.4f} {s['hv_total']:>7.4f} {s['worst_type_median_hv']:>10.4f} "
+              f"{s['reached_target']:>8} {to_target:>9} {s['search_s_per_batch']:>8.3f}")
+    ratio = summary["default_over_paper_to_target"]
+    print(f"default/paper evaluations to reach {TARGET:.0%} of the exhaustive HV (median over searches): "
+          f"{'-' if ratio is None else f'{ratio:.2f}'}; default/paper evaluations used: "
+          f"{summary['default_over_paper_evaluations']:.2f}")
+    print(f"worst type (default): {summary['default']['worst_type']}; exhaustive front under noise vs the "
+          f"noise-free optimum: {summary['exhaustive_vs_optimum']:.4f} HV (median)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two configurations instead of sixteen")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per partition type (default 3)")
+    parser.add_argument("--noise", type=float, default=0.01, help="relative measurement noise (default 0.01)")
+    parser.add_argument("--workers", type=int, default=1, help="processes (default 1)")
+    parser.add_argument("--json", metavar="PATH", help="also write every result and the summary as JSON")
+    args = parser.parse_args(argv)
+    todo = cases(args.quick, args.seeds, args.noise)
+    started = time.perf_counter()
+    if args.workers > 1:
+        with ProcessPoolExecutor(args.workers) as pool:
+            results = list(pool.map(run_case, todo))
+    else:
+        results = []
+        for number, case in enumerate(todo, 1):
+            results.append(run_case(case))
+            print(f"\r{number}/{len(todo)} {case.config} {case.partition} seed {case.seed}   ",
+                  end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+    summary = summarise(results)
+    print_table(summary, len(results), time.perf_counter() - started)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"summary": summary, "results": results}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
