@@ -215,3 +215,26 @@ def test_field_reference_lists_every_field():
             if path.endswith(("{}", "[]")):  # map values and list items of scalars are described by their field
                 continue
             assert f"`{path}`" in reference, path
+
+
+def test_immutability_rule_names_every_spec_field_but_objective_and_suspend():
+    [rule] = [r["rule"] for r in SCHEMA["x-kubernetes-validations"] if "oldSelf" in r["rule"]]
+    for key in SPEC["properties"]:
+        assert (f"self.spec.{key} == oldSelf.spec.{key}" in rule) == (key not in ("objective", "suspend")), key
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("model", {"preset": "tiny", "layers": 2}), ("sequenceLength", 128), ("parallelism", {"tensor": 2,
+     "microBatchSize": 2, "numMicroBatches": 2}), ("profiling", {"backend": "sim"}), ("gpu", {"product": "H200"}),
+    ("backoffLimit", 0), ("managedBy", "example.com/x"), ("activeDeadlineSeconds", 60),
+    ("ttlSecondsAfterFinished", 5)])
+def test_each_field_is_frozen_by_training(job, field, value):
+    old = prepare(CRD, job)
+    old["status"] = {"trainingStartTime": "2026-01-01T00:00:00Z"}
+    new = copy.deepcopy(old)
+    new["spec"][field] = value
+    immutable = "spec: Forbidden: is immutable once training started, except objective and suspend"
+    assert validate_object(CRD, new, old) == [immutable]
+    new_training = copy.deepcopy(old)
+    new_training["spec"]["training"]["args"] = ["--seed", "1"]
+    assert validate_object(CRD, new_training, old) == [immutable]
