@@ -95,7 +95,6 @@ class Daemon:
         self.restored_on_start: list[str] = []
         self.ready = False
         self.auth_healthy = True
-        self.started_at = time.time()
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._stopped = asyncio.Event()
@@ -112,7 +111,11 @@ class Daemon:
                 owner = Owner.from_json(entry.get("owner", {})) if isinstance(entry.get("owner"), dict) else None
                 log.warning("restoring GPU %s to default clocks (locked at %s MHz for %s by daemon pid %s)",
                             uuid, entry.get("clock_mhz"), owner.describe() if owner else "?", entry.get("daemon_pid"))
-                gpu.reset_sm_clock()
+                try:
+                    gpu.reset_sm_clock()
+                except Exception as error:  # keep the entry: the next start tries again
+                    log.error("cannot reset journaled GPU %s: %s", uuid, error)
+                    continue
                 self.restored_on_start.append(uuid)
             self.journal.erase(uuid)
         return self.restored_on_start
