@@ -140,3 +140,19 @@ def test_progress_summary_ignores_partial_lines():
              '{"step": 1, "iteration_time_s": 0.7, "energy_j": 140}', '{"step": 2, "iter']
     assert summarise_progress(lines) == {"iterations": 2, "energyJoules": 240.0,
                                          "averageIterationSeconds": 0.6, "lastStep": 1}
+
+
+def test_operator_metrics_follow_phase_changes():
+    from kareus_operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    metrics.observe("a", "Profiling")
+    metrics.observe("b", "Profiling")
+    metrics.observe("a", "Profiling")  # no change, no double count
+    metrics.observe("a", "Training")
+    metrics.profile_cache_hit()
+    metrics.forget("b")
+    text = metrics.exposition().decode()
+    assert 'kareus_jobs{phase="Profiling"} 0.0' in text and 'kareus_jobs{phase="Training"} 1.0' in text
+    assert 'kareus_phase_seconds_count{phase="Profiling"} 1.0' in text
+    assert "kareus_profile_cache_hits_total 1.0" in text
