@@ -89,6 +89,7 @@ class Daemon:
         self.observe = observe or (lambda _result, _seconds: None)  # metrics hook: (result, seconds)
         self.recheck = recheck
         self.bounds = {gpu.uuid: _effective_bounds(gpu, config) for gpu in gpus}
+        self.supported_mhz = {gpu.uuid: frozenset(gpu.supported_sm_clocks_mhz()) for gpu in gpus}
         self.workers: dict[str, ClockWorker] = {}
         self.leases: dict[str, Lease] = {}
         self.sessions: dict[int, Session] = {}
@@ -362,7 +363,7 @@ class Daemon:
         if reason:
             raise _refused(reason)
         low, high = self.bounds[uuid]
-        supported = set(self.gpus[uuid].supported_sm_clocks_mhz())
+        supported = self.supported_mhz[uuid]
         for clock_mhz in sorted(clocks_mhz):
             if not low <= clock_mhz <= high:
                 raise _refused(f"clock_mhz: {clock_mhz} MHz is outside the policy bounds {low}–{high} MHz of GPU {uuid} ({self.gpus[uuid].name})")
