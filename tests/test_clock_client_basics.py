@@ -7,6 +7,8 @@ import socket
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kareus.daemon_client import (
     DaemonConnection,
@@ -65,9 +67,10 @@ def test_frames_round_trip_and_limits_are_enforced():
         protocol.decode_body(b"[1, 2]")
     with pytest.raises(protocol.ProtocolError, match="not UTF-8 JSON"):
         protocol.decode_body(b"\xff\xfe")
-    with pytest.raises(protocol.ProtocolError) as info:
-        protocol.check_request({"v": 2, "op": "status"})
-    assert info.value.code == protocol.E_VERSION
+    for version in (2, True, 1.0, "1"):
+        with pytest.raises(protocol.ProtocolError) as info:
+            protocol.check_request({"v": version, "op": "status"})
+        assert info.value.code == protocol.E_VERSION
     with pytest.raises(protocol.ProtocolError) as info:
         protocol.check_request({"v": 1, "op": "format_disk"})
     assert info.value.code == protocol.E_UNKNOWN_OP
@@ -98,3 +101,30 @@ def test_connection_raises_the_daemons_refusal(tmp_path):
     server.close()
     assert info.value.code == "refused"
     assert "not your GPU" in str(info.value)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_any_bytes_decode_to_an_object_or_a_protocol_error(body):
+    try:
+        assert isinstance(protocol.decode_body(body), dict)
+    except protocol.ProtocolError as error:
+        assert error.code == protocol.E_INVALID
+
+
+@given(st.dictionaries(st.sampled_from(["v", "id", "op", "gpus"]), json_values, max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_any_envelope_is_accepted_only_when_well_formed(message):
+    try:
+        request_id, op = protocol.check_request(message)
+    except protocol.ProtocolError as error:
+        assert error.code in (protocol.E_INVALID, protocol.E_VERSION, protocol.E_UNKNOWN_OP)
+    else:
+        assert type(message["v"]) is int and message["v"] == 1 and op in protocol.OPS and isinstance(request_id, int) and request_id >= 0

@@ -90,7 +90,7 @@ def decode_body(body: bytes) -> dict[str, Any]:
 def check_request(message: dict[str, Any]) -> tuple[int, str]:
     """Validate the envelope of a request; returns (id, op)."""
     version = message.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # true and 1.0 are not 1
         raise ProtocolError(E_VERSION, f"v: unsupported protocol version {version!r}; this daemon speaks {PROTOCOL_VERSION}")
     request_id = message.get("id", 0)
     if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id < 2**53:
