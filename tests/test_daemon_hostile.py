@@ -39,7 +39,7 @@ def _bad_bodies(rng: random.Random) -> list[bytes]:
         bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 300))),
         b"\xff\xfe\xfd",
         b"[1, 2, 3]", b"42", b'"lock"', b"null", b"{", b"[" * 60_000,
-        js({**lock, "v": 2}), js({**lock, "v": 0}), js({**lock, "v": "1"}), js({k: v for k, v in lock.items() if k != "v"}),
+        js({**lock, "v": 2}), js({**lock, "v": 0}), js({**lock, "v": "1"}), js({**lock, "v": True}), js({**lock, "v": 1.0}), js({k: v for k, v in lock.items() if k != "v"}),
         js({**lock, "id": -1}), js({**lock, "id": "seven"}), js({**lock, "id": 1.5}), js({**lock, "id": True}),
         js({**lock, "op": "format_disk"}), js({**lock, "op": 5}), js({**lock, "op": None}),
         js({**lock, "gpus": GPU0}), js({**lock, "gpus": [0]}), js({**lock, "gpus": []}), js({**lock, "gpus": ["GPU-" + "f" * 2000]}),
