@@ -132,7 +132,7 @@ def test_cli_train_spawns_tp2_and_follows_a_plan_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--steps", "-1"], "--steps must be >= 0"),
-    (["--nproc", "3"], "--nproc 3 does not match tensor×pipeline×data = 1"),
+    (["--nproc", "3"], "--nproc 3 × NNODES 1 = 3 processes, but tensor×pipeline×data = 1"),
     (["--metrics-port", "70000"], "--metrics-port must be <= 65535"),
     (["--plan", "/nonexistent/plan.json"], "cannot read plan"),
     (["--data", "/nonexistent/tokens.txt"], "--data /nonexistent/tokens.txt: cannot read tokens"),
@@ -259,3 +259,24 @@ def test_cuda_smoke_says_clearly_that_it_needs_a_gpu():
 
     with pytest.raises(KareusError, match="needs a CUDA GPU"):
         cuda_smoke()
+
+
+def test_node_group_from_the_training_pod_environment(monkeypatch):
+    from kareus.runtime.parallel import NodeGroup
+
+    for var in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert NodeGroup.from_env() == NodeGroup()
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setenv("NODE_RANK", "1")
+    with pytest.raises(KareusError, match="needs MASTER_ADDR and MASTER_PORT"):
+        NodeGroup.from_env()
+    monkeypatch.setenv("MASTER_ADDR", "job-train-0.job-train.ns.svc")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert NodeGroup.from_env() == NodeGroup(2, 1, "job-train-0.job-train.ns.svc", 29500)
+    monkeypatch.setenv("NODE_RANK", "2")
+    with pytest.raises(KareusError, match=r"NODE_RANK must be in 0\.\.NNODES-1"):
+        NodeGroup.from_env()
+    monkeypatch.setenv("NODE_RANK", "1")
+    with pytest.raises(KareusError, match=r"--nproc 3 × NNODES 2 = 6 processes, but tensor×pipeline×data = 2"):
+        train(parse_job(_manifest(tp=2)), nproc=3, device="cpu")

@@ -1,9 +1,10 @@
 """`kareus train JOB.yaml [--plan PLAN.json]`: train a job following its plan.
 
 What the training pods run. Under `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT in
-the environment) this process is one rank; otherwise the job's tensor×pipeline×data processes are
-started here on CPU (gloo), `--nproc` only confirming the count. Rank 0 writes `OUT/train.jsonl`
-and prints a summary. The daemon socket and the metrics port also come from the environment
+the environment) this process is one rank. Otherwise it starts this node's `--nproc` processes
+itself (one GPU each when enough are visible, else CPU with gloo); with NNODES/NODE_RANK/MASTER_ADDR/
+MASTER_PORT in the environment (as the operator's training pods have) the nodes rendezvous at the
+master like torchrun's. Rank 0 writes `OUT/train.jsonl` and prints a summary. The daemon socket and the metrics port also come from the environment
 (`KAREUS_DAEMON_SOCKET`, `KAREUS_METRICS_PORT`, `KAREUS_METRICS_ADDR`), so a pod spec sets them
 once for every rank.
 """
@@ -29,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "bytes (byte-level tokenizer); default: the built-in corpus")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default 0)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/train.jsonl (rank 0)")
-    parser.add_argument("--nproc", type=int, help="local processes to start; must equal tensor×pipeline×data")
+    parser.add_argument("--nproc", type=int, help="processes to start on this node (default: all); with "
+                        "NNODES nodes, nproc × NNODES must equal tensor×pipeline×data")
     parser.add_argument("--schedule", choices=("plan", "sequential"), default="plan",
                         help="'sequential' keeps the plan's clocks but runs every microbatch un-nanobatched")
     parser.add_argument("--daemon-socket", default=os.environ.get("KAREUS_DAEMON_SOCKET"),

@@ -133,24 +133,58 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def spawn_local(nproc: int, fn: Callable, *args) -> None:
-    """Run `fn(rank, store, *args)` in `nproc` fresh processes joined by a file store.
+@dataclass(frozen=True)
+class NodeGroup:
+    """This node's share of a multi-node job started without torchrun (the training pods' env:
+    NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT): processes `node_rank·nproc …` of `nnodes·nproc`."""
 
-    Gloo is pinned to the loopback interface so nothing listens beyond this machine.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    @classmethod
+    def from_env(cls) -> NodeGroup:
+        env = os.environ
+        try:
+            nnodes, node_rank = int(env.get("NNODES", "1")), int(env.get("NODE_RANK", "0"))
+            port = int(env.get("MASTER_PORT", "0"))
+        except ValueError as error:
+            raise KareusError(f"NNODES, NODE_RANK and MASTER_PORT must be integers: {error}") from None
+        if nnodes < 1 or not 0 <= node_rank < nnodes:
+            raise KareusError(f"NODE_RANK must be in 0..NNODES-1, got NODE_RANK={node_rank} NNODES={nnodes}")
+        if nnodes > 1 and (not env.get("MASTER_ADDR") or not port):
+            raise KareusError("a multi-node run (NNODES > 1) needs MASTER_ADDR and MASTER_PORT")
+        return cls(nnodes, node_rank, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+def spawn_local(nproc: int, fn: Callable, *args, nodes: NodeGroup | None = None) -> None:
+    """Run `fn(rank, store, *args)` in `nproc` fresh processes of this node.
+
+    One node: a file store, and gloo pinned to the loopback interface, so nothing listens beyond
+    this machine. Several nodes: global ranks `node_rank·nproc + local rank`, rendezvous at
+    MASTER_ADDR:MASTER_PORT (rank 0 hosts the store), as torchrun would do.
     """
     if nproc < 1:
         raise KareusError(f"--nproc must be >= 1, got {nproc}")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    nodes = nodes or NodeGroup()
+    if nodes.nnodes == 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="kareus-spawn-") as tmp:
-        mp.spawn(_spawned, args=(nproc, str(Path(tmp) / "store"), fn, args), nprocs=nproc, join=True)
+        mp.spawn(_spawned, args=(nproc, nodes, str(Path(tmp) / "store"), fn, args), nprocs=nproc, join=True)
 
 
-def _spawned(rank: int, nproc: int, store_path: str, fn: Callable, args: tuple) -> None:
+def _spawned(local_rank: int, nproc: int, nodes: NodeGroup, store_path: str, fn: Callable, args: tuple) -> None:
     for var in ("RANK", "WORLD_SIZE"):
         os.environ.pop(var, None)
-    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(local_rank)
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, nproc)
+    world = nodes.nnodes * nproc
+    rank = nodes.node_rank * nproc + local_rank
+    if nodes.nnodes == 1:
+        store = dist.FileStore(store_path, world)
+    else:
+        store = dist.TCPStore(nodes.master_addr, nodes.master_port, world, is_master=rank == 0)
     try:
         fn(rank, store, *args)
     finally:

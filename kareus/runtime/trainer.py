@@ -30,7 +30,7 @@ from kareus.runtime.energy import MeasuredEnergy, SimulatedEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
 from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
 from kareus.runtime.model import StageLayout, StageModel
-from kareus.runtime.parallel import DistContext, Layout, init_distributed, spawn_local
+from kareus.runtime.parallel import DistContext, Layout, NodeGroup, init_distributed, spawn_local
 from kareus.runtime.pipeline import StageExecutor
 from kareus.runtime.schedule import Schedule
 from kareus.workload.models import ModelShape
@@ -284,21 +284,26 @@ def train(job, plan=None, *, schedule_mode: str = "plan", nproc: int | None = No
     Without a plan every instruction is partitioned at default configs (unless the job turns
     nanobatching off) at the default clock. `overrides` are `TrainConfig` fields (steps, seed,
     data_path, out_dir, metrics_port, daemon_socket, …). Under torchrun (WORLD_SIZE set) this
-    process is one rank; otherwise the job's processes are spawned here (`nproc` must then equal
-    tensor×pipeline×data when given).
+    process is one rank; otherwise this node's processes are spawned here: `nproc` per node (default
+    all of them), several nodes through NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT as the training
+    pods set them.
     """
     config = TrainConfig.from_job(job, **overrides)
     schedule = build_schedule(job, plan, config, schedule_mode)
     world = config.layout.world_size
-    if nproc is not None and nproc != world:
-        raise KareusError(f"--nproc {nproc} does not match tensor×pipeline×data = {world}")
-    if "WORLD_SIZE" in os.environ or world == 1:
+    if "WORLD_SIZE" in os.environ or (world == 1 and nproc in (None, 1)):
         ctx = init_distributed(config.layout, device=config.device)
         result, _ = run_rank(ctx, config, schedule, clock=clock)
         return result
+    nodes = NodeGroup.from_env()
+    per_node = nproc if nproc is not None else world // nodes.nnodes
+    if per_node * nodes.nnodes != world:
+        raise KareusError(f"--nproc {per_node} × NNODES {nodes.nnodes} = {per_node * nodes.nnodes} processes, "
+                          f"but tensor×pipeline×data = {world}")
     with tempfile.TemporaryDirectory(prefix="kareus-train-") as tmp:
-        spawn_local(world, _spawned_rank, replace(config, device=_spawn_device(config.device, world)), schedule, tmp)
-        return pickle.loads((Path(tmp) / "rank0.pkl").read_bytes())
+        device = _spawn_device(config.device, per_node)
+        spawn_local(per_node, _spawned_rank, replace(config, device=device), schedule, tmp, nodes=nodes)
+        return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
 
 
 def _spawn_device(device: str, world: int) -> str:
@@ -338,5 +343,5 @@ def _check_plan_matches(plan, config: TrainConfig) -> None:
 def _spawned_rank(rank: int, store, config: TrainConfig, schedule: Schedule, result_dir: str) -> None:
     ctx = init_distributed(config.layout, rank=rank, store=store, device=config.device)
     result, _ = run_rank(ctx, config, schedule)
-    if rank == 0:
-        (Path(result_dir) / "rank0.pkl").write_bytes(pickle.dumps(result))
+    if int(os.environ["LOCAL_RANK"]) == 0:  # the node's first process reports (losses are global)
+        (Path(result_dir) / "result.pkl").write_bytes(pickle.dumps(result))
