@@ -58,7 +58,10 @@ class FrontierSettings:
 
     target_steps: int | None = None
     max_rows: int = 200
-    cost_model: str = "exponential"  # or "convex": piecewise-linear lower hull of the options
+    # "exponential" (lowtime's fit), "convex" (piecewise-linear lower hull of the options) or
+    # "both": solve with each and keep the Pareto set of all steps — the solver's path depends
+    # on the model, and two paths cover each other's detours.
+    cost_model: str = "both"
     solve_microbatches: int | None = None
 
     def steps_for(self, num_instructions: int) -> int:
@@ -199,7 +202,8 @@ def iteration_frontier(options: Sequence[StageOptions], num_microbatches: int, *
     reduced = (full if solved_microbatches == num_microbatches else
                PipelineProblem(PipelineDAG.build(len(options), solved_microbatches), options, p_static_w, gpus_per_stage))
     rows = []
-    for picks in _solve(reduced, settings):
+    models = ("exponential", "convex") if settings.cost_model == "both" else (settings.cost_model,)
+    for picks in (p for model in models for p in _solve(reduced, settings, model)):
         expanded = picks if reduced is full else expand_picks(reduced.dag, full.dag, picks)
         rows.append(full.row(reclaim_slack(full, expanded)))
     rows.append(full.row(reclaim_slack(full, _extreme_picks(full, fastest=True))))
@@ -266,10 +270,10 @@ def reclaim_slack(problem: PipelineProblem, picks: Sequence[int]) -> list[int]:
     return picks
 
 
-def _solve(problem: PipelineProblem, settings: FrontierSettings) -> list[list[int]]:
+def _solve(problem: PipelineProblem, settings: FrontierSettings, cost_model: str) -> list[list[int]]:
     """The option picks of the starting plan and of every solver step."""
     unit_s = unit_time_for(problem, settings.steps_for(len(problem.dag.nodes)))
-    specs = {key: _spec(problem, key, unit_s, settings.cost_model)
+    specs = {key: _spec(problem, key, unit_s, cost_model)
              for key in {(s, k) for s, k, _ in problem.dag.nodes}}
     scale = _MAX_SLOPE_PER_UNIT / max(max(_max_slope(spec) for spec in specs.values()), 1e-12)
     for spec in specs.values():
