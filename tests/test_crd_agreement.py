@@ -241,3 +241,63 @@ def test_generated_manifests_agree(manifest):
 def test_junk_never_crashes_either_validator(document):
     assert validation_errors(document)
     assert validate_object(CRD, document) if isinstance(document, dict) else True
+
+
+# ----------------------------------------------------------------------------- an independent oracle
+
+
+def draft4(schema: dict) -> dict:
+    """The CRD's OpenAPI schema as a JSON Schema (draft 4) with unknown fields forbidden."""
+    out = {key: value for key, value in schema.items()
+           if not key.startswith("x-kubernetes-") and key not in ("default", "description", "nullable")}
+    if "properties" in schema:
+        out["properties"] = {key: draft4(sub) for key, sub in schema["properties"].items()}
+        out["additionalProperties"] = False
+    if isinstance(schema.get("additionalProperties"), dict):
+        out["additionalProperties"] = draft4(schema["additionalProperties"])
+    if "items" in schema:
+        out["items"] = draft4(schema["items"])
+    return out
+
+
+def _oracle():
+    import jsonschema
+
+    schema = draft4(CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    schema["properties"]["metadata"]["additionalProperties"] = True  # ObjectMeta: only name is restricted
+    schema["properties"]["apiVersion"]["enum"] = ["kareus.dev/v1alpha1"]
+    schema["properties"]["kind"]["enum"] = ["KareusJob"]
+    schema["required"] = [*schema["required"], "apiVersion", "kind"]  # the server routes by them
+    formats = jsonschema.FormatChecker(formats=())
+    formats.checks("date-time")(lambda text: not isinstance(text, str) or bool(
+        re.fullmatch(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})", text)
+        and _iso(text)))
+    return jsonschema.Draft4Validator(schema, format_checker=formats)
+
+
+def _iso(text: str) -> bool:
+    from datetime import datetime
+
+    try:
+        datetime.fromisoformat(text.upper().replace(" ", "T"))
+    except ValueError:
+        return False
+    return True
+
+
+ORACLE = _oracle()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(manifests())
+def test_structural_checks_agree_with_jsonschema(manifest):
+    """The schema engine's OpenAPI part (no CEL) accepts what a JSON Schema validator accepts."""
+    from kareus_operator.crdschema import schema_errors
+
+    stored = prepare(CRD, manifest)
+    if not isinstance(stored.get("metadata"), dict) or not stored["metadata"].get("name"):
+        return  # ObjectMeta's own rules (a name is required), outside the schema
+    # List-map key uniqueness has no JSON Schema counterpart.
+    ours = [error for error in schema_errors(CRD, manifest, rules=False) if error.kind != "Duplicate value"]
+    theirs = list(ORACLE.iter_errors(stored))
+    assert bool(ours) == bool(theirs), (manifest, [str(e) for e in ours], [e.message for e in theirs])

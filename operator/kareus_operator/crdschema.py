@@ -402,8 +402,8 @@ def prepare(crd: dict, obj: dict) -> dict:
     return apply_defaults(schema, prune_nulls(schema, obj))
 
 
-def schema_errors(crd: dict, obj: Any, old: dict | None = None) -> list[SchemaError]:
-    """`validate_object`, as structured errors."""
+def schema_errors(crd: dict, obj: Any, old: dict | None = None, *, rules: bool = True) -> list[SchemaError]:
+    """`validate_object`, as structured errors; `rules=False` checks the OpenAPI schema alone."""
     if not isinstance(obj, dict):
         return [SchemaError("<nil>", "Invalid type", f"{_show(obj)}: the object must be of type object")]
     walker = _Walker()
@@ -419,6 +419,8 @@ def schema_errors(crd: dict, obj: Any, old: dict | None = None) -> list[SchemaEr
     current = prepare(crd, obj)
     previous = prepare(crd, old) if isinstance(old, dict) else None
     pruned = _check_root(walker, schema, current)
+    if not rules:
+        return walker.errors
     if any(error.kind in BLOCKING for error in walker.errors):
         return [*walker.errors, SchemaError("<nil>", "Invalid value", f'"null": {CEL_SKIPPED}')]
     # The stored old object was valid; prune it the same way so CEL compares like with like.
