@@ -12,6 +12,7 @@ from kareus.runtime.engine import PartitionedBlock, backward_segments, forward_s
 from kareus.runtime.layer_ops import LayerProgram, rope_tables
 from kareus.runtime.model import StageLayout, StageModel, shard
 from kareus.runtime.parallel import Layout, init_distributed
+from kareus.runtime.schedule import RunInstruction
 from kareus.workload.models import ModelShape, get_preset
 from kareus.workload.partitions import PartitionConfig, build_workload
 
@@ -165,3 +166,15 @@ def test_torchrun_world_size_must_match_the_layout(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(KareusError, match=r"WORLD_SIZE is 3 but the job needs tensor×pipeline×data = 2×1×1 = 2"):
         init_distributed(Layout(tp=2), device="cpu")
+
+
+@pytest.mark.parametrize("configs,message", [
+    ({"fwd_attn": PartitionConfig("attn_1", 3)}, r"fwd_attn.launch_slot: 'attn_1'.*allowed: norm_0, linear_0, "
+                                                    r"rope_0, attn_0, linear_1"),
+    ({"bwd_mlp": PartitionConfig("norm_0", 3)}, r"partition type 'bwd_mlp' is not run here"),
+    ({"fwd_mlp": PartitionConfig("norm_0", 0)}, r"fwd_mlp.comm_sms: must be an integer >= 1"),
+])
+def test_schedule_configs_are_checked_against_the_executed_partitions(configs, message):
+    bad = Schedule(((RunInstruction("forward", 0, configs=configs), RunInstruction("backward", 0)),), 1)
+    with pytest.raises(KareusError, match=message):
+        _run(TINY, bad, m=1, steps=1)

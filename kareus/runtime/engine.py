@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kareus.errors import KareusError
 from kareus.runtime.comm import AllReduceBackward, AllReduceForward, CommHandle, TPComm
 from kareus.runtime.layer_ops import LayerOp, LayerProgram, route_backward
 from kareus.runtime.model import StageModel
@@ -61,9 +62,8 @@ class Segment:
         return slot_names(tuple(s.op.slot_group for s in self.steps))
 
     def slot_index(self, slot: str) -> int:
-        """Index of the first op of `slot`; unknown slots (a config for another layout) launch at 0."""
-        slots = self.slots
-        return slots.index(slot) if slot in slots else 0
+        """Index of the first op of `slot` (configs are checked by `PartitionedBlock.check_configs`)."""
+        return self.slots.index(slot)
 
 
 def slot_names(groups: tuple[str, ...]) -> tuple[str, ...]:
@@ -169,6 +169,20 @@ class PartitionedBlock:
         self.bwd_partitions = partitions_of(self.bwd_segments)
         # Set to a list to record the issue order: (event "comm"|"op", forward?, segment, nanobatch, op index).
         self.trace: list[tuple] | None = None
+
+    def check_configs(self, configs: Mapping[str, PartitionConfig], *, forward: bool, where: str) -> None:
+        """Raise a `KareusError` unless every config names a partition type this stage executes in
+        that direction, one of its launch slots, and a positive SM count."""
+        segments = {s.key: s for s in (self.fwd_segments if forward else self.bwd_segments)}
+        for key, config in configs.items():
+            if key not in segments:
+                raise KareusError(f"{where}: partition type {key!r} is not run here; allowed: {', '.join(segments)}")
+            slots = tuple(dict.fromkeys(segments[key].slots))
+            if config.launch_slot not in slots:
+                raise KareusError(f"{where}.{key}.launch_slot: {config.launch_slot!r} is not an op of the partition; "
+                                  f"allowed: {', '.join(slots)}")
+            if not isinstance(config.comm_sms, int) or config.comm_sms < 1:
+                raise KareusError(f"{where}.{key}.comm_sms: must be an integer >= 1, got {config.comm_sms!r}")
 
     # forward -----------------------------------------------------------------------------------
     def forward(self, x: Tensor, configs: Mapping[str, PartitionConfig], *, record: bool) -> tuple[Tensor, list]:

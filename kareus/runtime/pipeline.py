@@ -64,6 +64,10 @@ class StageExecutor:
         self.sequential = SequentialBlock(self.model, self.comm, consts)
         self.activation_shape = (self.micro_batch_size, self.seq_len, shape.hidden_size)
         self.dtype = dtype
+        for ins in self.follower.instructions:
+            where = f"schedule stage {self.follower.stage} {ins.kind} of microbatch {ins.microbatch}"
+            self.partitioned.check_configs(ins.configs, forward=ins.kind == "forward", where=f"{where}: configs")
+            self.partitioned.check_configs(ins.recompute_configs, forward=True, where=f"{where}: recompute_configs")
 
     def run(self, batches: list[tuple[Tensor, Tensor]], loss_scale: float, step: int | None = None) -> float:
         """One iteration; returns the sum of this stage's (scaled) microbatch losses (0 if not last)."""
