@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import copy
 import re
+from datetime import datetime
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kareus_operator.crdschema import prepare, validate_object
+from kareus_operator.crdschema import prepare, schema_errors, validate_object
 
 from kareus.spec import SpecError, load_job, parse_job, validation_errors
 from kareus.workload.models import PRESETS
@@ -261,8 +263,6 @@ def draft4(schema: dict) -> dict:
 
 
 def _oracle():
-    import jsonschema
-
     schema = draft4(CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
     schema["properties"]["metadata"]["additionalProperties"] = True  # ObjectMeta: only name is restricted
     schema["properties"]["apiVersion"]["enum"] = ["kareus.dev/v1alpha1"]
@@ -276,8 +276,6 @@ def _oracle():
 
 
 def _iso(text: str) -> bool:
-    from datetime import datetime
-
     try:
         datetime.fromisoformat(text.upper().replace(" ", "T"))
     except ValueError:
@@ -292,8 +290,6 @@ ORACLE = _oracle()
 @given(manifests())
 def test_structural_checks_agree_with_jsonschema(manifest):
     """The schema engine's OpenAPI part (no CEL) accepts what a JSON Schema validator accepts."""
-    from kareus_operator.crdschema import schema_errors
-
     stored = prepare(CRD, manifest)
     if not isinstance(stored.get("metadata"), dict) or not stored["metadata"].get("name"):
         return  # ObjectMeta's own rules (a name is required), outside the schema
