@@ -52,7 +52,7 @@ def _api_server(queries: list[str]) -> ThreadingHTTPServer:
         def do_GET(self):
             queries.append(self.path)
             items = [{"metadata": {"uid": uid, "namespace": ns, "name": name,
-                                   "labels": {"kareus.dev/job": "llama"} if name.startswith("llama") else {}}}
+                                   "labels": {"kareus.dev/job-name": "llama"} if name.startswith("llama") else {}}}
                      for ns, name, uid, _ids in PODS]
             body = json.dumps({"kind": "PodList", "items": items}).encode()
             self.send_response(200)

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-JOB_LABEL = "kareus.dev/job"  # set by the operator on every pod it creates
+JOB_LABEL = "kareus.dev/job-name"  # set by the operator on every pod it creates (kareus_operator.settings.LABEL_JOB)
 MIN_REFRESH_INTERVAL_S = 1.0
 
 
