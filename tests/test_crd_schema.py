@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kareus_operator.crdschema import apply_defaults, prepare, prune_nulls, validate_object, version_schema
+from kareus_operator.crdschema import (
+    apply_defaults,
+    prepare,
+    prune_nulls,
+    prune_unknown,
+    validate_object,
+    version_schema,
+)
 
 from kareus.spec.parse import PROFILING_BACKENDS, PROFILING_PRESETS
 from kareus.workload.models import PRESETS
@@ -238,3 +245,13 @@ def test_each_field_is_frozen_by_training(job, field, value):
     new_training = copy.deepcopy(old)
     new_training["spec"]["training"]["args"] = ["--seed", "1"]
     assert validate_object(CRD, new_training, old) == [immutable]
+
+
+def test_prune_unknown_drops_undeclared_fields_like_a_non_strict_write(job):
+    job["metadata"]["uid"] = "u-1"
+    job["spec"]["extra"] = 1
+    job["status"] = {"phase": "Training", "notDeclared": {"x": 1}, "measured": {"iterations": 3, "bogus": 1}}
+    stored = prune_unknown(CRD, job)
+    assert "extra" not in stored["spec"] and stored["metadata"]["uid"] == "u-1"
+    assert stored["status"] == {"phase": "Training", "measured": {"iterations": 3}}
+    assert validate_object(CRD, stored) == []

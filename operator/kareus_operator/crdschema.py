@@ -402,6 +402,20 @@ def prepare(crd: dict, obj: dict) -> dict:
     return apply_defaults(schema, prune_nulls(schema, obj))
 
 
+def prune_unknown(crd: dict, obj: dict) -> dict:
+    """`obj` without the fields its schema does not declare (metadata kept whole), as stored.
+
+    What the server does on a write without strict field validation (kopf's patches, for one):
+    undeclared fields are dropped with a warning instead of refusing the request.
+    """
+    version = served_version(crd, obj.get("apiVersion"))
+    schema = version["schema"]["openAPIV3Schema"] if version else version_schema(crd)
+    body = {key: value for key, value in obj.items() if key != "metadata"}
+    root = {**schema, "properties": {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}}
+    kept = _Walker().check(root, body, "")
+    return {**kept, "metadata": obj["metadata"]} if "metadata" in obj else kept
+
+
 def schema_errors(crd: dict, obj: Any, old: dict | None = None, *, rules: bool = True) -> list[SchemaError]:
     """`validate_object`, as structured errors; `rules=False` checks the OpenAPI schema alone."""
     if not isinstance(obj, dict):
