@@ -149,7 +149,8 @@ class StageModel(nn.Module):
         microbatch and data-parallel gradients simply add up to the global mean's gradient."""
         out = self.param("embedding") if self.shape.tied_embeddings else self.param("output")
         logits = F.linear(rms_norm(hidden, self.param("final_norm"), self.shape.norm_eps), out)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: loss in fp32
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
         return loss * loss_scale
 
 
