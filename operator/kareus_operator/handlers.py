@@ -6,7 +6,8 @@
 - a deletion handler (under the `kareus.dev/finalizer`) forgets the job's metrics; the children go
   with the job through ownerReferences.
 
-One job is reconciled by one task at a time (a lock per job), always from a freshly read body, and
+One job is reconciled by one task at a time (events arriving meanwhile collapse into one more
+pass), always from a freshly read body, and
 the status is written only when it changed — so the write's own watch event ends the loop.
 kopf keeps its progress, diff-base and finalizer under the `kareus.dev` prefix.
 """
@@ -36,32 +37,51 @@ class Controller:
         self.kube, self.settings = kube, settings
         self.metrics = metrics or OperatorMetrics()
         self.reconciler = Reconciler(kube, settings, self.metrics)
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._running: set[tuple[str, str]] = set()
+        self._dirty: set[tuple[str, str]] = set()
         self._wakeups: dict[tuple[str, str], asyncio.TimerHandle] = {}
 
     async def reconcile(self, namespace: str, name: str, logger: logging.Logger | Any = None) -> None:
+        """Reconcile one job; requests arriving while it runs collapse into one more pass.
+
+        A burst (a watch re-list replays every pod, ConfigMap and job) thus costs one or two passes
+        per job instead of one per event.
+        """
         key = (namespace, name)
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            job = await self.kube.get(path(API_VERSION, PLURAL, namespace, name))
-            if job is None:
-                self._forget(key)
-                return
-            outcome = await self.reconciler.reconcile(job)
-            if outcome is None:
-                return
-            if outcome.delete_job:
-                await self.kube.delete(path(API_VERSION, PLURAL, namespace, name))
-                return
-            old = job.get("status") or {}
-            if outcome.status != old:
-                patch = {k: outcome.status.get(k) for k in set(old) | set(outcome.status)}
-                await self.kube.merge_patch(path(API_VERSION, PLURAL, namespace, name, "status"), {"status": patch})
-            self.metrics.observe(job["metadata"]["uid"], outcome.status["phase"])
-            for type_, reason, message in outcome.events:
-                kopf.event(job, type=type_, reason=reason, message=message[:1024])
-            if outcome.requeue_s is not None:
-                self._wake_later(key, outcome.requeue_s)
+        if key in self._running:
+            self._dirty.add(key)
+            return
+        self._running.add(key)
+        try:
+            while True:
+                self._dirty.discard(key)
+                await self._reconcile_once(namespace, name)
+                if key not in self._dirty:
+                    return
+        finally:
+            self._running.discard(key)
+
+    async def _reconcile_once(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        job = await self.kube.get(path(API_VERSION, PLURAL, namespace, name))
+        if job is None:
+            self._forget(key)
+            return
+        outcome = await self.reconciler.reconcile(job)
+        if outcome is None:
+            return
+        if outcome.delete_job:
+            await self.kube.delete(path(API_VERSION, PLURAL, namespace, name))
+            return
+        old = job.get("status") or {}
+        if outcome.status != old:
+            patch = {k: outcome.status.get(k) for k in set(old) | set(outcome.status)}
+            await self.kube.merge_patch(path(API_VERSION, PLURAL, namespace, name, "status"), {"status": patch})
+        self.metrics.observe(job["metadata"]["uid"], outcome.status["phase"])
+        for type_, reason, message in outcome.events:
+            kopf.event(job, type=type_, reason=reason, message=message[:1024])
+        if outcome.requeue_s is not None:
+            self._wake_later(key, outcome.requeue_s)
 
     def _wake_later(self, key: tuple[str, str], delay_s: float) -> None:
         """A precise re-check (backoff end, deadline, TTL) between resync ticks."""
@@ -74,7 +94,6 @@ class Controller:
         self._wakeups[key] = loop.call_later(delay_s, lambda: asyncio.ensure_future(self.reconcile(*key)))
 
     def _forget(self, key: tuple[str, str]) -> None:
-        self._locks.pop(key, None)
         handle = self._wakeups.pop(key, None)
         if handle is not None:
             handle.cancel()
