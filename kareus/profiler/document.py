@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -124,7 +125,21 @@ class ProfileDocument:
     def frontier_at(self, partition_type: str, clock_mhz: int) -> tuple[PartitionPoint, ...]:
         """Measured points of `partition_type` at `clock_mhz` that are Pareto-optimal on
         (time, effective energy), fastest first; empty if that clock was not measured."""
-        return pareto_points(self.partitions[partition_type].at_clock(clock_mhz), self.p_static_w)
+        if partition_type not in self.partitions:
+            raise KeyError(partition_type)
+        return self._clock_frontiers.get((partition_type, int(clock_mhz)), ())
+
+    @cached_property
+    def _clock_frontiers(self) -> dict[tuple[str, int], tuple[PartitionPoint, ...]]:
+        """Every (type, clock) frontier, computed once: composition asks for them many times."""
+        frontiers = {}
+        for name, profile in self.partitions.items():
+            by_clock: dict[int, list[PartitionPoint]] = {}
+            for point in profile.measured:
+                by_clock.setdefault(point.clock_mhz, []).append(point)
+            for clock, points in by_clock.items():
+                frontiers[(name, clock)] = pareto_points(tuple(points), self.p_static_w)
+        return frontiers
 
     def frontier(self, partition_type: str) -> tuple[PartitionPoint, ...]:
         """The Pareto set of all measured points of `partition_type` on (time, effective energy)."""
