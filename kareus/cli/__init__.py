@@ -10,27 +10,26 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from collections.abc import Sequence
 
 from kareus import __version__
 from kareus.errors import KareusError
 
-# (module in kareus.cli, group or None). Order is the order of `kareus --help`.
-COMMANDS: tuple[tuple[str, str | None], ...] = (
-    ("run", None),
-    ("validate", None),
-    ("profile", None),
-    ("optimize", None),
-    ("train", None),
-    ("compare", None),
-    ("frontier", None),
-    ("plan_show", "plan"),
-    ("sim_sweep", "sim"),
-    ("sim_mbo", "sim"),
-    ("clock", "clock"),
-    ("dev_cluster", None),
+# (command or group name, module in kareus.cli, group or None). Order is the order of `--help`.
+COMMANDS: tuple[tuple[str, str, str | None], ...] = (
+    ("run", "run", None),
+    ("validate", "validate", None),
+    ("profile", "profile", None),
+    ("optimize", "optimize", None),
+    ("train", "train", None),
+    ("compare", "compare", None),
+    ("frontier", "frontier", None),
+    ("plan", "plan_show", "plan"),
+    ("sim", "sim_sweep", "sim"),
+    ("sim", "sim_mbo", "sim"),
+    ("clock", "clock", "clock"),
+    ("dev-cluster", "dev_cluster", None),
 )
 
 GROUP_HELP = {
@@ -40,13 +39,19 @@ GROUP_HELP = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given `argv`, only the invoked command's modules are imported.
+
+    Command modules pull in heavy libraries (torch, xgboost, kopf); importing all of them for
+    every invocation would add seconds to `kareus clock status`. `--help` still lists them all.
+    """
     parser = argparse.ArgumentParser(prog="kareus", description="Energy-optimal distributed training.")
     parser.add_argument("--version", action="version", version=f"kareus {__version__}")
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = _invoked_command(argv)
     groups: dict[str, argparse._SubParsersAction] = {}
-    for module_name, group in COMMANDS:
-        if importlib.util.find_spec(f"kareus.cli.{module_name}") is None:  # DEV-ONLY: removed at integration
+    for name, module_name, group in COMMANDS:
+        if wanted is not None and name != wanted:
             continue
         module = importlib.import_module(f"kareus.cli.{module_name}")
         if group is None:
@@ -60,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _invoked_command(argv: Sequence[str] | None) -> str | None:
+    """The command named first on the command line, if it is a known one."""
+    if argv is None:
+        return None
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return first if first in {name for name, _, _ in COMMANDS} else None
+
+
 def _usage(parser: argparse.ArgumentParser):
     def show(_args: argparse.Namespace) -> int:
         parser.print_help(sys.stderr)
@@ -69,7 +82,8 @@ def _usage(parser: argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)

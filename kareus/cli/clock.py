@@ -14,7 +14,6 @@ import sys
 from typing import Any
 
 from kareus.daemon_client import DaemonConnection, DaemonError
-from kareus.errors import KareusError
 
 DEFAULT_SOCKET = "/run/kareus/node.sock"
 
@@ -76,17 +75,10 @@ def _row(gpu: dict[str, Any]) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kareus.cli.clock …`: the same commands without loading every other `kareus` command."""
-    parser = argparse.ArgumentParser(prog="kareus clock", description="talk to the node daemon")
-    register(parser.add_subparsers(dest="clock_command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except KareusError as error:
-        print(f"kareus: error: {error}", file=sys.stderr)
-        return error.exit_code
-    except KeyboardInterrupt:
-        return 130
+    """`python -m kareus.cli.clock …`: the same as `kareus clock …`."""
+    from kareus.cli import main as kareus_main
+
+    return kareus_main(["clock", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
