@@ -280,3 +280,13 @@ def test_node_group_from_the_training_pod_environment(monkeypatch):
     monkeypatch.setenv("NODE_RANK", "1")
     with pytest.raises(KareusError, match=r"--nproc 3 × NNODES 2 = 6 processes, but tensor×pipeline×data = 2"):
         train(parse_job(_manifest(tp=2)), nproc=3, device="cpu")
+
+
+def test_a_user_error_in_a_spawned_rank_is_one_line(tmp_path, capsys):
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(yaml.safe_dump(_manifest(tp=2)))
+    (tmp_path / "tokens.npy").write_bytes(b"not numpy")
+    assert cli_main(["train", str(job_path), "--steps", "1", "--data", str(tmp_path / "tokens.npy")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kareus: error: rank ") and "cannot read tokens" in err[-1]
+    assert not any("Traceback" in line for line in err)

@@ -171,10 +171,17 @@ def spawn_local(nproc: int, fn: Callable, *args, nodes: NodeGroup | None = None)
     if nodes.nnodes == 1:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="kareus-spawn-") as tmp:
-        mp.spawn(_spawned, args=(nproc, nodes, str(Path(tmp) / "store"), fn, args), nprocs=nproc, join=True)
+        try:
+            mp.spawn(_spawned, args=(nproc, nodes, tmp, fn, args), nprocs=nproc, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            # A user-caused error in a rank reaches the user as that one line, not a traceback.
+            messages = sorted(Path(tmp).glob("error-*.txt"))
+            if messages:
+                raise KareusError(messages[0].read_text()) from None
+            raise
 
 
-def _spawned(local_rank: int, nproc: int, nodes: NodeGroup, store_path: str, fn: Callable, args: tuple) -> None:
+def _spawned(local_rank: int, nproc: int, nodes: NodeGroup, tmp: str, fn: Callable, args: tuple) -> None:
     for var in ("RANK", "WORLD_SIZE"):
         os.environ.pop(var, None)
     os.environ["LOCAL_RANK"] = str(local_rank)
@@ -182,10 +189,13 @@ def _spawned(local_rank: int, nproc: int, nodes: NodeGroup, store_path: str, fn:
     world = nodes.nnodes * nproc
     rank = nodes.node_rank * nproc + local_rank
     if nodes.nnodes == 1:
-        store = dist.FileStore(store_path, world)
+        store = dist.FileStore(str(Path(tmp) / "store"), world)
     else:
         store = dist.TCPStore(nodes.master_addr, nodes.master_port, world, is_master=rank == 0)
     try:
         fn(rank, store, *args)
+    except KareusError as error:
+        (Path(tmp) / f"error-{rank:05d}.txt").write_text(f"rank {rank}: {error}")
+        raise
     finally:
         shutdown()

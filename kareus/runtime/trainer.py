@@ -30,7 +30,7 @@ from kareus.runtime.energy import MeasuredEnergy, SimulatedEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
 from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
 from kareus.runtime.model import StageLayout, StageModel
-from kareus.runtime.parallel import DistContext, Layout, NodeGroup, init_distributed, spawn_local
+from kareus.runtime.parallel import DistContext, Layout, NodeGroup, init_distributed, shutdown, spawn_local
 from kareus.runtime.pipeline import StageExecutor
 from kareus.runtime.schedule import Schedule
 from kareus.workload.models import ModelShape
@@ -293,7 +293,10 @@ def train(job, plan=None, *, schedule_mode: str = "plan", nproc: int | None = No
     world = config.layout.world_size
     if "WORLD_SIZE" in os.environ or (world == 1 and nproc in (None, 1)):
         ctx = init_distributed(config.layout, device=config.device)
-        result, _ = run_rank(ctx, config, schedule, clock=clock)
+        try:
+            result, _ = run_rank(ctx, config, schedule, clock=clock)
+        finally:
+            shutdown()
         return result
     nodes = NodeGroup.from_env()
     per_node = nproc if nproc is not None else world // nodes.nnodes
