@@ -54,8 +54,12 @@ def crd_validator() -> Any:
 
     As the API server does by default, fields the schema does not declare are pruned (dropped
     silently) rather than rejected; everything else the schema or a CEL rule rejects is a 422.
+    An update that leaves `spec` as it was skips the CEL rules (the API server's validation
+    ratcheting: unchanged values that were valid stay valid), which keeps frequent status writes cheap.
     """
     from kareus_operator import crdschema
+
+    ratcheted: dict[int, dict[str, Any]] = {}
 
     def validate(crd: Mapping[str, Any], obj: dict[str, Any], old: Mapping[str, Any] | None) -> list[str]:
         stored = crdschema.prepare(dict(crd), obj)
@@ -67,9 +71,21 @@ def crd_validator() -> Any:
                       "metadata": stored.get("metadata", {})}
         obj.clear()
         obj.update(stored)
-        return crdschema.validate_object(dict(crd), obj, dict(old) if old is not None else None)
+        rules = dict(crd)
+        if old is not None and stored.get("spec") == old.get("spec"):
+            rules = ratcheted.setdefault(id(crd), _without_rules(dict(crd)))
+        return crdschema.validate_object(rules, obj, dict(old) if old is not None else None)
 
     return validate
+
+
+def _without_rules(value: Any) -> Any:
+    """A copy of a CRD without its CEL rules."""
+    if isinstance(value, dict):
+        return {k: _without_rules(v) for k, v in value.items() if k != "x-kubernetes-validations"}
+    if isinstance(value, list):
+        return [_without_rules(v) for v in value]
+    return value
 
 
 def prune_unknown(schema: Mapping[str, Any], value: Any) -> Any:
