@@ -26,6 +26,7 @@ from typing import Any
 import kmock
 import yaml
 
+from kareus.errors import KareusError
 from kareus_operator.devcluster.emulator import CRD_RESOURCE, NAMESPACES, ApiEmulator
 from kareus_operator.devcluster.podrunner import NODE_NAME, PodRunner
 
@@ -137,7 +138,11 @@ class DevCluster:
         return self.workdir / "node" / "host"
 
     async def __aenter__(self) -> DevCluster:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -156,7 +161,9 @@ class DevCluster:
         await self.api.create(NODES, None, {"metadata": {"name": NODE_NAME, "labels": {
             "kubernetes.io/hostname": NODE_NAME, "nvidia.com/gpu.present": "true",
             "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}}})
-        if self.crd_path is not None and self.crd_path.exists():
+        if self.crd_path is not None:
+            if not self.crd_path.exists():
+                raise KareusError(f"CRD file {self.crd_path} not found; pass --crd PATH (crds/kareusjob.yaml)")
             for doc in yaml.safe_load_all(self.crd_path.read_text()):
                 if doc:
                     await self.api.create(CRD_RESOURCE, None, doc)
@@ -205,9 +212,12 @@ class DevCluster:
         _kill(self.node_process, signal.SIGTERM)
         if self.runner is not None:
             await self.runner.stop()
+            self.runner = None
         if self.server is not None:
             await self.server.__aexit__(None, None, None)
-        await self.api.__aexit__(None, None, None)
+            self.server = None
+        if self.api.active:
+            await self.api.__aexit__(None, None, None)
 
 
 def _kill(process: subprocess.Popen | None, sig: int) -> None:
