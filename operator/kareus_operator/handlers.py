@@ -19,14 +19,17 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 
-from kareus_operator.kube import Kube, path
+from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
 from kareus_operator.reconcile import Reconciler
 from kareus_operator.settings import LABEL_JOB, PREFIX, Settings
 
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
+_RETRY_S = 2.0
+log = logging.getLogger(__name__)
 API_VERSION = f"{GROUP}/{VERSION}"
 
 
@@ -39,6 +42,10 @@ class Controller:
         self.reconciler = Reconciler(kube, settings, self.metrics)
         self._running: set[tuple[str, str]] = set()
         self._dirty: set[tuple[str, str]] = set()
+        self._tasks: set[asyncio.Task] = set()
+        # At most this many jobs are reconciled at once (a work queue, as controller-runtime's
+        # MaxConcurrentReconciles); the others wait here instead of in the HTTP connection pool.
+        self._slots = asyncio.Semaphore(settings.max_concurrent_reconciles)
         self._wakeups: dict[tuple[str, str], asyncio.TimerHandle] = {}
 
     async def reconcile(self, namespace: str, name: str, logger: logging.Logger | Any = None) -> None:
@@ -55,7 +62,14 @@ class Controller:
         try:
             while True:
                 self._dirty.discard(key)
-                await self._reconcile_once(namespace, name)
+                async with self._slots:
+                    try:
+                        await self._reconcile_once(namespace, name)
+                    except (ApiError, aiohttp.ClientError, TimeoutError) as error:
+                        # The API is busy or restarting: look again soon rather than at the next resync.
+                        (logger or log).warning("reconcile of %s/%s failed, retrying: %r", namespace, name, error)
+                        self._wake_later(key, _RETRY_S)
+                        return
                 if key not in self._dirty:
                     return
         finally:
@@ -91,7 +105,12 @@ class Controller:
         if old is not None:
             old.cancel()
         loop = asyncio.get_running_loop()
-        self._wakeups[key] = loop.call_later(delay_s, lambda: asyncio.ensure_future(self.reconcile(*key)))
+        self._wakeups[key] = loop.call_later(delay_s, self._spawn, key)
+
+    def _spawn(self, key: tuple[str, str]) -> None:
+        task = asyncio.ensure_future(self.reconcile(*key))
+        self._tasks.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._tasks.discard)
 
     def _forget(self, key: tuple[str, str]) -> None:
         handle = self._wakeups.pop(key, None)

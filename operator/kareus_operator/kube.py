@@ -108,7 +108,8 @@ class Kube:
                     ssl_context.load_cert_chain(c.cert_file, c.key_file)
         self._session = aiohttp.ClientSession(
             headers=headers, connector=aiohttp.TCPConnector(ssl=ssl_context, limit=32),
-            timeout=aiohttp.ClientTimeout(total=30))
+            # No total timeout: waiting for a pooled connection is not the server being slow.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60))
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -48,6 +48,7 @@ class Settings:
     node_socket_dir: str = "/var/run/kareus"
     service_account: str = "kareus-worker"
     resync_s: float = 10.0
+    max_concurrent_reconciles: int = 16
     backoff_base_s: float = 10.0
     backoff_max_s: float = 360.0
     progress_interval_s: float = 1.0
@@ -74,6 +75,11 @@ def _parse(name: str, raw: str, default: object) -> object:
             if not all(isinstance(v, str) for v in value):
                 raise ValueError
             return tuple(value)
+        if isinstance(default, int):
+            number = int(raw)
+            if number < 1:
+                raise ValueError
+            return number
         if isinstance(default, float):
             number = float(raw)
             if number <= 0:
@@ -87,6 +93,7 @@ def _parse(name: str, raw: str, default: object) -> object:
         return raw
     except ValueError:
         allowed = ("a JSON list of strings or a comma-separated list" if isinstance(default, tuple)
+                   else "an integer >= 1" if isinstance(default, int)
                    else "a positive number" if isinstance(default, float)
                    else "a JSON object of strings" if name == "extra_pod_env" else "a string")
         raise KareusError(f"{key}: must be {allowed}, got {raw!r}") from None
