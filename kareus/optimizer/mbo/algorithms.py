@@ -12,7 +12,8 @@ batches drops below `stop_epsilon`. Two presets:
 - `paper`: the paper's budgets by partition size (small 36+3×16, medium 48+4×16, large 96+4×32),
   random initial design, paper tree settings, 40/20/20/20 passes;
 - `default`: fewer measurements for the same front: a clock-stratified space-filling initial
-  design (every clock measured from the start, which composition needs anyway); a `transfer`
+  design of one point per clock (every clock measured from the start, which composition needs
+  anyway; comm SMs and slots Latin-hypercube spread over the clocks); a `transfer`
   pass that fills 60 % of every batch with configurations that are on the front at other clocks
   (the best overlap changes slowly with the clock; the paper's four passes share the rest);
   budgets proportional to the grid with a hard cap of 20 % of it; small batches so the stopping
@@ -152,16 +153,14 @@ PAPER_FRACTIONS = {"total": 0.4, "effective": 0.2, "static": 0.2, "uncertainty":
 class GridBudget:
     """A budget proportional to the grid: used by the default preset."""
 
-    init_per_clock: float  # initial points per clock, as a fraction of one clock's slice
+    init_per_clock: int  # initial points per clock
     batch_fraction: float  # batch size as a fraction of the grid
     max_fraction: float  # hard cap on measured points as a fraction of the grid
     min_batch: int = 4
 
     def for_problem(self, problem: Problem) -> Budget:
         space = problem.space
-        n_clocks = len(space.clocks_mhz)
-        per_clock = max(1, round(self.init_per_clock * space.size / n_clocks))
-        n_init = min(per_clock * n_clocks, space.size)
+        n_init = min(max(1, self.init_per_clock) * len(space.clocks_mhz), space.size)
         cap = max(n_init, int(self.max_fraction * space.size))
         batch = max(self.min_batch, round(self.batch_fraction * space.size))
         return Budget(n_init, batch, max(0, -(-(cap - n_init) // batch)))
@@ -250,7 +249,7 @@ PRESETS: dict[str, MBOSettings] = {
     "paper": MBOSettings(name="paper", budget=_paper_budget),
     "default": MBOSettings(
         name="default",
-        budget=GridBudget(init_per_clock=0.06, batch_fraction=0.02, max_fraction=0.2).for_problem,
+        budget=GridBudget(init_per_clock=1, batch_fraction=0.02, max_fraction=0.2).for_problem,
         design="stratified",
         fractions={"transfer": 0.6, "total": 0.15, "effective": 0.1, "static": 0.05, "uncertainty": 0.1},
         trees=TreeSettings(max_depth=4, eta=0.3, rounds=40, monotone_clock=True),
