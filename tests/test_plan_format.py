@@ -175,3 +175,15 @@ def test_infeasible_budget_names_the_closest_plan():
         reselect(plan, {"energyBudget": {"perIterationJoules": 1.0}})
     with pytest.raises(KareusError, match="has already passed"):
         reselect(plan, {"timeBudget": {"deadline": "2020-01-01T00:00:00Z"}})
+
+
+def test_gzip_round_trip(tmp_path):
+    plan = small_plan()
+    path = tmp_path / "plan.json.gz"
+    plan.save(path)
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    assert Plan.load(path) == plan
+    assert Plan.loads(plan.to_gzip()) == plan
+    assert len(plan.to_gzip()) < len(plan.to_json()) / 4
+    with pytest.raises(PlanError, match="not a valid gzip stream"):
+        Plan.loads(b"\x1f\x8b broken")

@@ -62,12 +62,18 @@ class FrontierSettings:
     # "both": solve with each and keep the Pareto set of all steps — the solver's path depends
     # on the model, and two paths cover each other's detours.
     cost_model: str = "both"
+    both_up_to_instructions: int = 256  # bigger DAGs solve once, with the convex model (time)
     solve_microbatches: int | None = None
 
     def steps_for(self, num_instructions: int) -> int:
         if self.target_steps is not None:
             return self.target_steps
         return int(np.clip(40_000 // max(num_instructions, 1), 150, 1000))
+
+    def models_for(self, num_instructions: int) -> tuple[str, ...]:
+        if self.cost_model != "both":
+            return (self.cost_model,)
+        return ("exponential", "convex") if num_instructions <= self.both_up_to_instructions else ("convex",)
 
     def microbatches_for(self, num_stages: int, num_microbatches: int) -> int:
         cap = self.solve_microbatches or max(2 * num_stages + 2, 12)
@@ -202,7 +208,7 @@ def iteration_frontier(options: Sequence[StageOptions], num_microbatches: int, *
     reduced = (full if solved_microbatches == num_microbatches else
                PipelineProblem(PipelineDAG.build(len(options), solved_microbatches), options, p_static_w, gpus_per_stage))
     rows = []
-    models = ("exponential", "convex") if settings.cost_model == "both" else (settings.cost_model,)
+    models = settings.models_for(len(reduced.dag.nodes))
     for picks in (p for model in models for p in _solve(reduced, settings, model)):
         expanded = picks if reduced is full else expand_picks(reduced.dag, full.dag, picks)
         rows.append(full.row(reclaim_slack(full, expanded)))
