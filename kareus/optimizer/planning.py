@@ -93,10 +93,11 @@ def optimize(job: Any, profile: ProfileDocument, *, objective: Any = None,
 def solver_provenance(profile: ProfileDocument, pjob: PlanJob, settings: FrontierSettings,
                       frontier: FrontierTable, wall_s: float) -> Provenance:
     """Where a Kareus plan came from: the profile key and the solver's settings and cost."""
+    solved_microbatches = settings.microbatches_for(pjob.pipeline, pjob.num_micro_batches)
+    solved = 2 * pjob.pipeline * solved_microbatches  # instructions in the DAG the solver ran on
     return Provenance(
         profile_key=profile.key, method="kareus",
-        solver={"algorithm": "phillips-dessouky (lowtime)", "cost_model": settings.cost_model,
-                "target_steps": settings.steps_for(2 * pjob.pipeline * pjob.num_micro_batches),
-                "solve_microbatches": settings.microbatches_for(pjob.pipeline, pjob.num_micro_batches),
+        solver={"algorithm": "phillips-dessouky (lowtime)", "cost_models": list(settings.models_for(solved)),
+                "target_steps": settings.steps_for(solved), "solve_microbatches": solved_microbatches,
                 "max_rows": settings.max_rows, "rows": len(frontier.rows), "wall_s": round(wall_s, 3)},
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), software_version=__version__)
