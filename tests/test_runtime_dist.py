@@ -29,16 +29,19 @@ TINY = get_preset("tiny")
 STEPS = 5
 
 
-def _config(tp: int, pp: int, dp: int, m: int, ac: bool = True) -> TrainConfig:
-    return TrainConfig(shape=TINY, seq_len=16, tp=tp, pp=pp, dp=dp, micro_batch_size=2, num_microbatches=m,
+def _config(tp: int, pp: int, dp: int, m: int, ac: bool = True, cp: int = 1) -> TrainConfig:
+    return TrainConfig(shape=TINY, seq_len=16, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=2, num_microbatches=m,
                        steps=STEPS, seed=5, optimizer="sgd", lr=0.5, activation_checkpointing=ac, device="cpu")
 
 
-def _slot_configs(run: int, tp: int) -> dict[str, PartitionConfig]:
+def _types(tp: int, cp: int) -> dict:
+    return build_workload(TINY, tp=tp, cp=cp, pp=1, seq_len=16, micro_batch_size=2).partition_types if tp > 1 else {}
+
+
+def _slot_configs(run: int, tp: int, cp: int) -> dict[str, PartitionConfig]:
     """Launch slot number `run` (wrapping) of every partition type; SM counts vary too."""
-    types = build_workload(TINY, tp=tp, cp=1, pp=1, seq_len=16, micro_batch_size=2).partition_types
     return {name: PartitionConfig(t.launch_slots[run % len(t.launch_slots)],
-                                  t.comm_sms_grid[run % len(t.comm_sms_grid)]) for name, t in types.items()}
+                                  t.comm_sms_grid[run % len(t.comm_sms_grid)]) for name, t in _types(tp, cp).items()}
 
 
 def _clocked(schedule: Schedule) -> Schedule:
@@ -48,19 +51,19 @@ def _clocked(schedule: Schedule) -> Schedule:
     return Schedule(stages, schedule.num_microbatches)
 
 
-def _runs(pp: int, m: int, tp: int) -> dict[str, tuple[Schedule, bool]]:
+def _runs(pp: int, m: int, tp: int, cp: int) -> dict[str, tuple[Schedule, bool]]:
     runs = {"sequential": (_clocked(Schedule.uniform(pp, m, mode="sequential")), True)}
-    for r in range(4):  # 4 = most launch slots of any type
-        runs[f"slots{r}"] = (_clocked(Schedule.uniform(pp, m, configs=_slot_configs(r, tp))), True)
-    runs["no_ac"] = (_clocked(Schedule.uniform(pp, m, configs=_slot_configs(1, tp))), False)
+    for r in range(max((len(t.launch_slots) for t in _types(tp, cp).values()), default=1)):
+        runs[f"slots{r}"] = (_clocked(Schedule.uniform(pp, m, configs=_slot_configs(r, tp, cp))), True)
+    runs["no_ac"] = (_clocked(Schedule.uniform(pp, m, configs=_slot_configs(1, tp, cp))), False)
     return runs
 
 
-def _worker(rank: int, store, tp: int, pp: int, dp: int, m: int, out: str) -> None:
+def _worker(rank: int, store, tp: int, pp: int, dp: int, cp: int, m: int, out: str) -> None:
     ctx = None
     saved = {}
-    for name, (schedule, ac) in _runs(pp, m, tp).items():
-        config = _config(tp, pp, dp, m, ac)
+    for name, (schedule, ac) in _runs(pp, m, tp, cp).items():
+        config = _config(tp, pp, dp, m, ac, cp)
         if ctx is None:
             ctx = init_distributed(config.layout, rank=rank, store=store, device="cpu")
         clock = RecordingClockClient()
@@ -87,10 +90,11 @@ def _close(actual, expected, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-7, msg=what)
 
 
-@pytest.mark.parametrize("tp,pp,dp,m", [(2, 1, 1, 2), (1, 1, 2, 2), (2, 2, 1, 3)], ids=["tp2", "dp2", "tp2xpp2"])
-def test_partitioned_equals_sequential_and_single_process(tmp_path, tp, pp, dp, m):
-    world = tp * pp * dp
-    spawn_local(world, _worker, tp, pp, dp, m, str(tmp_path))
+@pytest.mark.parametrize("tp,pp,dp,cp,m", [(2, 1, 1, 1, 2), (1, 1, 2, 1, 2), (2, 2, 1, 1, 3), (2, 1, 1, 2, 2)],
+                         ids=["tp2", "dp2", "tp2xpp2", "tp2xcp2"])
+def test_partitioned_equals_sequential_and_single_process(tmp_path, tp, pp, dp, cp, m):
+    world = tp * pp * dp * cp
+    spawn_local(world, _worker, tp, pp, dp, cp, m, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     ref_losses, ref_params = _reference(m * dp)
     assert ref_losses[-1] < ref_losses[0]

@@ -7,7 +7,7 @@ import torch
 
 from kareus.errors import KareusError
 from kareus.runtime import Schedule, TrainConfig, run_rank
-from kareus.runtime.comm import CommHandle, TPComm
+from kareus.runtime.comm import CommHandle, GroupComm
 from kareus.runtime.engine import PartitionedBlock, backward_segments, forward_segments, partitions_of
 from kareus.runtime.layer_ops import LayerProgram, rope_tables
 from kareus.runtime.model import StageLayout, StageModel, shard
@@ -22,18 +22,17 @@ TINY = get_preset("tiny")
 QWENISH = ModelShape("qwenish", 3, 32, 48, 4, 2, 8, 256, qk_norm=True, tied_embeddings=True, rope_theta=10000.0)
 
 
-def test_segments_match_the_workload_partition_types():
+@pytest.mark.parametrize("cp", [1, 2], ids=["tp", "cp+tp"])
+def test_segments_match_the_workload_partition_types(cp):
     """The executed op runs and slot names are the ones the planner optimises."""
-    workload = build_workload(TINY, tp=2, cp=1, pp=1, seq_len=16, micro_batch_size=2)
+    workload = build_workload(TINY, tp=2, cp=cp, pp=1, seq_len=16, micro_batch_size=2)
     program = LayerProgram.llama(TINY.qk_norm)
-    layers = range(4)
     executed = {}
-    for segment in forward_segments(program, layers) + backward_segments(program, layers):
-        if segment.key in workload.partition_types and len(segment.steps) == max(
-                len(s.steps) for s in (*forward_segments(program, layers), *backward_segments(program, layers))
-                if s.key == segment.key):
-            executed[segment.key] = segment
-    assert set(executed) == set(workload.partition_types)
+    for segment in forward_segments(program, range(4), cp) + backward_segments(program, range(4), cp):
+        for key in segment.keys:
+            if len(segment.steps) > len(executed.get(key, segment).steps) or key not in executed:
+                executed[key] = segment
+    assert set(executed) == set(workload.partition_types) | {"fwd_trail", "bwd_trail"}
     for name, ptype in workload.partition_types.items():
         ops = [s.op.name for s in executed[name].steps]
         assert ops == [op.name.removesuffix("_bwd") for op in ptype.compute_ops], name
@@ -56,14 +55,14 @@ def test_partitions_pair_each_comm_with_the_other_nanobatch():
     assert carried == sorted((nb, s) for s in range(len(segments) - 1) for nb in (0, 1))
 
 
-class _OrderComm(TPComm):
+class _OrderComm(GroupComm):
     """Pretends to be a 2-rank group; records launches and joins without reducing anything."""
 
     def __init__(self, log: list) -> None:
         super().__init__(None, 2)
         self.log = log
 
-    def launch(self, tensor, comm_sms=None):
+    def launch_all_reduce(self, tensor, comm_sms=None, finish=None):
         self.log.append(("launch", comm_sms))
         log = self.log
 
@@ -71,7 +70,7 @@ class _OrderComm(TPComm):
             def join(self) -> None:
                 log.append(("join",))
 
-        return _Handle()
+        return _Handle(tensor, None)
 
 
 @pytest.mark.parametrize("key,slot", [("fwd_attn", s) for s in ("norm_0", "linear_0", "rope_0", "attn_0")]
@@ -93,7 +92,7 @@ def test_collective_is_issued_right_before_the_launch_slot(key, slot):
     events = block.trace
     checked = 0
     for i, (event, is_forward, segment, nb, index) in enumerate(events):
-        if event == "comm" and is_forward == forward and segments[segment].key == key:
+        if event == "comm" and is_forward == forward and segments[segment].keys[nb] == key:
             assert segments[segment].slots[index] == slot
             assert events[i + 1] == ("op", forward, segment, nb, index)  # the slot's op runs right after
             assert index == 0 or events[i - 1] == ("op", forward, segment, nb, index - 1)
@@ -157,14 +156,18 @@ def test_layout_coordinates_round_trip():
     layout = Layout(tp=2, pp=2, dp=2)
     for rank in range(layout.world_size):
         assert layout.rank_of(*layout.coords(rank)) == rank
-    assert layout.tp_groups()[0] == (0, 1) and layout.dp_groups()[0] == (0, 4)
+    assert layout.tp_groups()[0] == (0, 1) and layout.grad_groups()[0] == (0, 4)
     assert layout.end_groups()[0] == (0, 2)
+    with_cp = Layout(tp=2, pp=2, dp=1, cp=2)
+    assert with_cp.coords(5) == (0, 1, 0, 1)
+    assert with_cp.cp_groups()[0] == (0, 2) and with_cp.grad_groups()[0] == (0, 2)
+    assert with_cp.tp_groups()[1] == (2, 3) and with_cp.end_groups()[0] == (0, 4)
 
 
 def test_torchrun_world_size_must_match_the_layout(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(KareusError, match=r"WORLD_SIZE is 3 but the job needs tensor×pipeline×data = 2×1×1 = 2"):
+    with pytest.raises(KareusError, match=r"WORLD_SIZE is 3 but the job needs tensor×context×pipeline×data = 2×1×1×1 = 2"):
         init_distributed(Layout(tp=2), device="cpu")
 
 
@@ -235,10 +238,10 @@ def test_model_is_a_textbook_llama_in_both_modes(shape):
         model.zero_grad(set_to_none=True)
         x = model.embed(tokens)
         if mode == "sequential":
-            loss = model.head_loss(SequentialBlock(model, TPComm(None, 1), consts).forward(x), targets, scale)
+            loss = model.head_loss(SequentialBlock(model, GroupComm(None, 1), consts).forward(x), targets, scale)
             loss.backward()
         else:
-            block = PartitionedBlock(model, TPComm(None, 1), consts)
+            block = PartitionedBlock(model, GroupComm(None, 1), consts)
             y, states = block.forward(x.detach(), {}, record=True)
             y = y.requires_grad_()
             loss = model.head_loss(y, targets, scale)

@@ -132,7 +132,7 @@ def test_cli_train_spawns_tp2_and_follows_a_plan_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--steps", "-1"], "--steps must be >= 0"),
-    (["--nproc", "3"], "--nproc 3 × NNODES 1 = 3 processes, but tensor×pipeline×data = 1"),
+    (["--nproc", "3"], "--nproc 3 × NNODES 1 = 3 processes, but tensor×context×pipeline×data = 1"),
     (["--metrics-port", "70000"], "--metrics-port must be <= 65535"),
     (["--plan", "/nonexistent/plan.json"], "cannot read plan"),
     (["--data", "/nonexistent/tokens.txt"], "--data /nonexistent/tokens.txt: cannot read tokens"),
@@ -278,7 +278,7 @@ def test_node_group_from_the_training_pod_environment(monkeypatch):
     with pytest.raises(KareusError, match=r"NODE_RANK must be in 0\.\.NNODES-1"):
         NodeGroup.from_env()
     monkeypatch.setenv("NODE_RANK", "1")
-    with pytest.raises(KareusError, match=r"--nproc 3 × NNODES 2 = 6 processes, but tensor×pipeline×data = 2"):
+    with pytest.raises(KareusError, match=r"--nproc 3 × NNODES 2 = 6 processes, but tensor×context×pipeline×data = 2"):
         train(parse_job(_manifest(tp=2)), nproc=3, device="cpu")
 
 

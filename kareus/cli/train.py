@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default 0)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/train.jsonl (rank 0)")
     parser.add_argument("--nproc", type=int, help="processes to start on this node (default: all); with "
-                        "NNODES nodes, nproc × NNODES must equal tensor×pipeline×data")
+                        "NNODES nodes, nproc × NNODES must equal tensor×context×pipeline×data")
     parser.add_argument("--schedule", choices=("plan", "sequential"), default="plan",
                         help="'sequential' keeps the plan's clocks but runs every microbatch un-nanobatched")
     parser.add_argument("--daemon-socket", default=os.environ.get("KAREUS_DAEMON_SOCKET"),

@@ -1,111 +1,151 @@
-"""Tensor-parallel all-reduces: launched asynchronously by the overlap engine, joined at the end.
+"""Collectives of the overlap engine: launched asynchronously, joined at the partition end.
 
-The overlap engine only needs two things from a communicator: `launch(tensor, comm_sms)` starts
-an in-place all-reduce and returns a handle; `handle.join()` makes later computation wait for it.
+`GroupComm` wraps one process group (the TP group, or the CP group). The engine only needs
+`launch_*` — start an all-reduce (in place), an all-gather or a reduce-scatter (along dim 0) and
+return a handle — and `handle.join()`, which makes later work wait for it and then hands the
+result to a `finish` callback (e.g. to put gathered K/V into the other nanobatch's channels).
 
-- On CPU (gloo) the collective is an async `all_reduce`: the *order of issue* follows the launch
-  slot exactly as on a GPU, the SM count is a no-op.
-- On CUDA the collective runs on its own stream. It is gated by an event recorded on the compute
+- On CPU (gloo) the collective is issued with `async_op`: the *order of issue* follows the launch
+  slot exactly as on a GPU; the SM count is a no-op.
+- On CUDA the collective runs on the comm stream. It is gated by an event recorded on the compute
   stream when it is launched — i.e. right after the op before the launch slot was enqueued — and the
-  join makes the compute stream wait on the comm's completion (DESIGN.md §2.8). NCCL fixes a
-  communicator's CTA (SM) bounds at creation, so there is one communicator per SM count in use,
-  all created up front (creating a group is collective over the whole world, so it cannot be lazy).
-- A single-rank group has nothing to reduce; `standin=True` then runs an exact no-op kernel
-  (`x *= 1`) on the comm stream so the stream/event machinery is exercised on one GPU.
+  join makes the compute stream wait for it (DESIGN.md §2.8). NCCL fixes a communicator's CTA (SM)
+  bounds at creation, so there is one communicator per SM count in use, all created up front
+  (creating a group is collective over the whole world, so it cannot be lazy).
+- A single-rank group has nothing to exchange; with `standin=True` on CUDA an exact no-op kernel
+  (`x *= 1`) runs on the comm stream instead, so one GPU exercises the stream/event machinery.
 
-`AllReduceForward`/`AllReduceBackward` are Megatron's g/f functions for the sequential
-(standard-autograd) mode: all-reduce in forward / identity in backward, and the reverse.
+Sequential (standard autograd) mode uses the blocking forms through Megatron-style autograd
+functions: `AllReduceForward` (row-parallel output: sum / identity), `AllReduceBackward`
+(column-parallel input: identity / sum) and `GatherSequence` (context parallelism: all-gather the
+sequence / reduce-scatter its gradient).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+Finish = Callable[[Tensor], None]
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommHandle:
-    """A launched collective; `join()` orders later work after it."""
+    """A launched collective; `join()` orders later work after it and delivers its result."""
 
-    def join(self) -> None:  # a completed no-op collective
-        return None
-
-
-@dataclass
-class _AsyncWork(CommHandle):
-    work: object
+    def __init__(self, result: Tensor, finish: Finish | None, work: object | None = None,
+                 done: object | None = None) -> None:
+        self._result, self._finish, self._work, self._done = result, finish, work, done
 
     def join(self) -> None:
-        self.work.wait()
+        if self._work is not None:
+            self._work.wait()  # on CUDA: the current (compute) stream waits for NCCL's stream
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+        if self._finish is not None:
+            self._finish(self._result)
 
 
-@dataclass
-class _StreamWork(CommHandle):
-    work: object | None
-    done: torch.cuda.Event
-
-    def join(self) -> None:
-        if self.work is not None:
-            self.work.wait()  # current (compute) stream waits on NCCL's stream
-        torch.cuda.current_stream().wait_event(self.done)
-
-
-class TPComm:
-    """All-reduces over this rank's tensor-parallel group."""
+class GroupComm:
+    """Collectives over one process group (None for a single rank)."""
 
     def __init__(self, group: object | None, size: int, *, cuda: bool = False, standin: bool = False,
-                 groups_by_sms: dict[int, object] | None = None) -> None:
+                 groups_by_sms: dict[int, object] | None = None, stream: object | None = None) -> None:
         self.group = group
         self.size = size
         self.cuda = cuda
         self.standin = standin and cuda and size == 1
         self.groups_by_sms = dict(groups_by_sms or {})
-        self.stream = torch.cuda.Stream() if cuda else None
+        self.stream = stream if stream is not None else (torch.cuda.Stream() if cuda else None)
         self.launches = 0
 
     @property
     def active(self) -> bool:
-        """Whether there is a collective at all (more than one rank, or a CUDA stand-in)."""
+        """Whether anything runs at all (more than one rank, or a CUDA stand-in)."""
         return self.size > 1 or self.standin
 
-    def launch(self, tensor: Tensor, comm_sms: int | None = None) -> CommHandle:
-        """Start an in-place sum over the group of `tensor`."""
+    # asynchronous ------------------------------------------------------------------------------
+    def launch_all_reduce(self, tensor: Tensor, comm_sms: int | None = None, finish: Finish | None = None) -> CommHandle:
+        """Sum `tensor` in place over the group."""
+        return self._launch(tensor, tensor, lambda g: dist.all_reduce(tensor, group=g, async_op=True),
+                            comm_sms, finish)
+
+    def launch_all_gather(self, tensor: Tensor, comm_sms: int | None = None, finish: Finish | None = None) -> CommHandle:
+        """Concatenate every rank's `tensor` along dim 0 (rank order)."""
+        if self.size == 1:
+            return self._launch(tensor, tensor, None, comm_sms, finish)
+        out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+        return self._launch(tensor, out, lambda g: _all_gather(out, tensor, group=g, async_op=True), comm_sms, finish)
+
+    def launch_reduce_scatter(self, tensor: Tensor, comm_sms: int | None = None,
+                              finish: Finish | None = None) -> CommHandle:
+        """Sum over the group and keep this rank's slice of dim 0."""
+        if self.size == 1:
+            return self._launch(tensor, tensor, None, comm_sms, finish)
+        out = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
+        return self._launch(tensor, out, lambda g: _reduce_scatter(out, tensor, group=g, async_op=True), comm_sms,
+                            finish)
+
+    def _launch(self, tensor: Tensor, out: Tensor, op, comm_sms: int | None, finish: Finish | None) -> CommHandle:
         if not self.active:
-            return CommHandle()
+            return CommHandle(out, finish)
         self.launches += 1
         if not self.cuda:
-            return _AsyncWork(dist.all_reduce(tensor, group=self.group, async_op=True))
-        return self._launch_on_stream(tensor, comm_sms)
-
-    def _launch_on_stream(self, tensor: Tensor, comm_sms: int | None) -> CommHandle:
+            return CommHandle(out, finish, op(self.group))
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream())
         self.stream.wait_event(ready)
         work = None
         with torch.cuda.stream(self.stream):
-            if self.size > 1:
-                group = self.groups_by_sms.get(comm_sms, self.group)
-                work = dist.all_reduce(tensor, group=group, async_op=True)
+            if op is not None and self.size > 1:
+                work = op(self.groups_by_sms.get(comm_sms, self.group))
             else:
-                tensor.mul_(1.0)
+                tensor.mul_(1.0)  # the stand-in: an exact no-op kernel on the comm stream
             done = torch.cuda.Event()
             done.record(self.stream)
-        tensor.record_stream(self.stream)
-        return _StreamWork(work, done)
+        for t in (tensor, out):
+            t.record_stream(self.stream)
+        return CommHandle(out, finish, work, done)
 
+    # blocking (sequential mode) ----------------------------------------------------------------
     def all_reduce(self, tensor: Tensor) -> Tensor:
-        """Blocking in-place sum (the sequential mode)."""
         if self.size > 1:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        if self.size == 1:
+            return tensor
+        out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+        _all_gather(out, tensor.contiguous(), group=self.group)
+        return out
 
-def nccl_groups_by_sms(tp_groups_ranks: Iterable[tuple[int, ...]], my_ranks: tuple[int, ...],
+    def reduce_scatter(self, tensor: Tensor) -> Tensor:
+        if self.size == 1:
+            return tensor
+        out = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
+        _reduce_scatter(out, tensor.contiguous(), group=self.group)
+        return out
+
+
+def pack_kv(k: Tensor, v: Tensor) -> Tensor:
+    """K and V `[b, heads, seq, d]` as one `[seq, 2, b, heads, d]` buffer: one fused collective
+    along the sequence (dim 0)."""
+    return torch.stack((k, v)).permute(3, 0, 1, 2, 4).contiguous()
+
+
+def unpack_kv(packed: Tensor) -> tuple[Tensor, Tensor]:
+    kv = packed.permute(1, 2, 3, 0, 4)
+    return kv[0].contiguous(), kv[1].contiguous()
+
+
+def nccl_groups_by_sms(groups_ranks: Iterable[tuple[int, ...]], my_ranks: tuple[int, ...],
                        comm_sms: Iterable[int]) -> dict[int, object]:
-    """One NCCL communicator per SM count for this rank's TP group, CTA-bounded where torch exposes
+    """One NCCL communicator per SM count for this rank's group, CTA-bounded where torch exposes
     `ProcessGroupNCCL.Options().config.{min,max}_ctas`; empty where it does not (default group).
 
     Every rank must call this with the same arguments: `new_group` is collective over the world.
@@ -113,9 +153,10 @@ def nccl_groups_by_sms(tp_groups_ranks: Iterable[tuple[int, ...]], my_ranks: tup
     options_cls = getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)
     if options_cls is None or not hasattr(options_cls(), "config"):
         return {}
+    groups_ranks = list(groups_ranks)
     groups: dict[int, object] = {}
     for sms in sorted(set(comm_sms)):
-        for ranks in tp_groups_ranks:
+        for ranks in groups_ranks:
             options = options_cls()
             options.config.min_ctas = sms
             options.config.max_ctas = sms
@@ -129,7 +170,7 @@ class AllReduceForward(torch.autograd.Function):
     """Row-parallel output: sum over TP in forward, identity in backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: TPComm) -> Tensor:
+    def forward(ctx, x: Tensor, comm: GroupComm) -> Tensor:
         return comm.all_reduce(x.clone()) if comm.size > 1 else x
 
     @staticmethod
@@ -141,10 +182,27 @@ class AllReduceBackward(torch.autograd.Function):
     """Column-parallel input: identity in forward, sum of the input gradient over TP in backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: TPComm) -> Tensor:
+    def forward(ctx, x: Tensor, comm: GroupComm) -> Tensor:
         ctx.comm = comm
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         return ctx.comm.all_reduce(grad.clone()), None
+
+
+class GatherSequence(torch.autograd.Function):
+    """Context parallelism: all-gather `[b, heads, seq, d]` along seq; reduce-scatter the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: GroupComm) -> Tensor:
+        ctx.comm = comm
+        if comm.size == 1:
+            return x.view_as(x)
+        return comm.all_gather(x.movedim(2, 0).contiguous()).movedim(0, 2).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if ctx.comm.size == 1:
+            return grad, None
+        return ctx.comm.reduce_scatter(grad.movedim(2, 0).contiguous()).movedim(0, 2).contiguous(), None

@@ -90,6 +90,20 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device 
     return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
 
 
+def sequence_consts(seq_len: int, cp: int, cp_rank: int, head_dim: int, theta: float,
+                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """RoPE tables for this context-parallel rank's chunk of the sequence and, with CP, the causal
+    mask of its queries over the whole sequence."""
+    chunk = seq_len // cp
+    cos, sin = rope_tables(seq_len, head_dim, theta, device, dtype)
+    rows = slice(cp_rank * chunk, (cp_rank + 1) * chunk)
+    consts = {"rope_cos": cos[rows], "rope_sin": sin[rows]}
+    if cp > 1:
+        query_pos = torch.arange(rows.start, rows.stop, device=device)
+        consts["attn_mask"] = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+    return consts
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate pairs (first half, second half) of the head dimension, as Llama does."""
     half = x.shape[-1] // 2
@@ -132,8 +146,14 @@ def _rope(local, params, consts, q, k):
 
 
 def _attention(local, params, consts, q, k, v):
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                         enable_gqa=local.num_heads != local.num_kv_heads)
+    # With context parallelism q holds this rank's chunk and k/v the whole sequence: the causal
+    # mask is then offset by the chunk's position (`attn_mask`, True = may attend).
+    mask = consts.get("attn_mask")
+    gqa = local.num_heads != local.num_kv_heads
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     b, _, s, _ = out.shape
     return (out.transpose(1, 2).reshape(b, s, local.num_heads * local.head_dim),)
 

@@ -1,8 +1,8 @@
 """Where a rank sits in the TP × PP × DP grid, its process groups, and how ranks start.
 
-Rank order is tensor-parallel fastest, then pipeline, then data:
-`rank = (dp_rank · pp + pp_rank) · tp + tp_rank`, so a TP group is a run of consecutive ranks
-(one node's GPUs in the usual layout). `init_distributed` reads the torchrun environment (RANK,
+Rank order is tensor-parallel fastest, then context, then pipeline, then data:
+`rank = ((dp_rank · pp + pp_rank) · cp + cp_rank) · tp + tp_rank`, so a TP group is a run of
+consecutive ranks (one node's GPUs in the usual layout). `init_distributed` reads the torchrun environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or takes a store from `spawn_local`, which starts
 N processes on this machine joined by a file store (no TCP port to pick; gloo pinned to loopback).
 With one process and no environment nothing is initialised and every collective is skipped.
@@ -25,33 +25,50 @@ from kareus.errors import KareusError
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel sizes of a job; `world_size = tp · pp · dp`."""
+    """Parallel sizes of a job; `world_size = tp · cp · pp · dp`."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of `rank`."""
-        return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(dp_rank, pp_rank, cp_rank, tp_rank) of `rank`."""
+        tp_rank, rest = rank % self.tp, rank // self.tp
+        cp_rank, rest = rest % self.cp, rest // self.cp
+        return rest // self.pp, rest % self.pp, cp_rank, tp_rank
 
-    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+    def rank_of(self, dp_rank: int, pp_rank: int, cp_rank: int, tp_rank: int) -> int:
+        return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+
+    def _grid(self) -> list[tuple[int, int, int, int]]:
+        return [(d, p, c, t) for d in range(self.dp) for p in range(self.pp) for c in range(self.cp)
+                for t in range(self.tp)]
+
+    def _groups(self, key) -> list[tuple[int, ...]]:
+        groups: dict[tuple, list[int]] = {}
+        for coords in self._grid():
+            groups.setdefault(key(*coords), []).append(self.rank_of(*coords))
+        return [tuple(g) for g in groups.values()]
 
     def tp_groups(self) -> list[tuple[int, ...]]:
-        return [tuple(self.rank_of(d, p, t) for t in range(self.tp)) for d in range(self.dp) for p in range(self.pp)]
+        return self._groups(lambda d, p, c, t: (d, p, c))
 
-    def dp_groups(self) -> list[tuple[int, ...]]:
-        return [tuple(self.rank_of(d, p, t) for d in range(self.dp)) for p in range(self.pp) for t in range(self.tp)]
+    def cp_groups(self) -> list[tuple[int, ...]]:
+        return self._groups(lambda d, p, c, t: (d, p, t))
+
+    def grad_groups(self) -> list[tuple[int, ...]]:
+        """Ranks holding the same parameters (data and context parallel replicas)."""
+        return self._groups(lambda d, p, c, t: (p, t))
 
     def end_groups(self) -> list[tuple[int, ...]]:
         """First and last stage ranks that share a tied embedding."""
-        return [(self.rank_of(d, 0, t), self.rank_of(d, self.pp - 1, t)) for d in range(self.dp)
-                for t in range(self.tp)]
+        return [(self.rank_of(d, 0, c, t), self.rank_of(d, self.pp - 1, c, t)) for d in range(self.dp)
+                for c in range(self.cp) for t in range(self.tp)]
 
 
 @dataclass
@@ -62,9 +79,11 @@ class DistContext:
     rank: int
     device: torch.device
     tp_group: object | None = None
-    dp_group: object | None = None
+    cp_group: object | None = None
+    grad_group: object | None = None
     end_group: object | None = None
     tp_ranks: tuple[int, ...] = (0,)
+    cp_ranks: tuple[int, ...] = (0,)
 
     @property
     def dp_rank(self) -> int:
@@ -75,16 +94,20 @@ class DistContext:
         return self.layout.coords(self.rank)[1]
 
     @property
-    def tp_rank(self) -> int:
+    def cp_rank(self) -> int:
         return self.layout.coords(self.rank)[2]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.coords(self.rank)[3]
 
     @property
     def distributed(self) -> bool:
         return self.layout.world_size > 1
 
     def neighbour(self, offset: int) -> int:
-        dp_rank, pp_rank, tp_rank = self.layout.coords(self.rank)
-        return self.layout.rank_of(dp_rank, pp_rank + offset, tp_rank)
+        dp_rank, pp_rank, cp_rank, tp_rank = self.layout.coords(self.rank)
+        return self.layout.rank_of(dp_rank, pp_rank + offset, cp_rank, tp_rank)
 
 
 def init_distributed(layout: Layout, *, rank: int | None = None, store: object | None = None,
@@ -94,8 +117,8 @@ def init_distributed(layout: Layout, *, rank: int | None = None, store: object |
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     if store is None and env_world != layout.world_size and (env_world > 1 or layout.world_size > 1):
-        raise KareusError(f"WORLD_SIZE is {env_world} but the job needs tensor×pipeline×data = "
-                          f"{layout.tp}×{layout.pp}×{layout.dp} = {layout.world_size} processes")
+        raise KareusError(f"WORLD_SIZE is {env_world} but the job needs tensor×context×pipeline×data = "
+                          f"{layout.tp}×{layout.cp}×{layout.pp}×{layout.dp} = {layout.world_size} processes")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", str(rank % max(torch.cuda.device_count(), 1))))
@@ -111,7 +134,8 @@ def init_distributed(layout: Layout, *, rank: int | None = None, store: object |
         kwargs = {"store": store} if store is not None else {"init_method": "env://"}
         dist.init_process_group(backend, rank=rank, world_size=layout.world_size, **kwargs)
     ctx.tp_group, ctx.tp_ranks = _my_group(layout.tp_groups(), rank)
-    ctx.dp_group, _ = _my_group(layout.dp_groups(), rank)
+    ctx.cp_group, ctx.cp_ranks = _my_group(layout.cp_groups(), rank)
+    ctx.grad_group, _ = _my_group(layout.grad_groups(), rank)
     if layout.pp > 1:
         ctx.end_group, _ = _my_group(layout.end_groups(), rank)
     return ctx

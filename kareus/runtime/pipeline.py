@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kareus.runtime.comm import TPComm
+from kareus.runtime.comm import GroupComm
 from kareus.runtime.engine import BlockContext, PartitionedBlock, SequentialBlock
 from kareus.runtime.follower import PlanFollower
-from kareus.runtime.layer_ops import rope_tables
+from kareus.runtime.layer_ops import sequence_consts
 from kareus.runtime.model import StageModel
 from kareus.runtime.parallel import DistContext
 from kareus.runtime.schedule import RunInstruction
@@ -45,24 +45,29 @@ class _Microbatch:
 
 @dataclass
 class StageExecutor:
+    """Runs one stage's instructions. `seq_len` is the whole sequence; with context parallelism
+    (`cp` > 1) this rank holds chunk `dist_ctx.cp_rank` of it."""
+
     model: StageModel
     dist_ctx: DistContext
-    comm: TPComm
+    tp: GroupComm
     follower: PlanFollower
     seq_len: int
     micro_batch_size: int
     activation_checkpointing: bool = True
+    cp: GroupComm | None = None
     _sends: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         shape = self.model.shape
         device = self.dist_ctx.device
         dtype = next(iter(self.model.parameters())).dtype
-        cos, sin = rope_tables(self.seq_len, shape.head_dim, shape.rope_theta, device, dtype)
-        consts = {"rope_cos": cos, "rope_sin": sin}
-        self.partitioned = PartitionedBlock(self.model, self.comm, consts)
-        self.sequential = SequentialBlock(self.model, self.comm, consts)
-        self.activation_shape = (self.micro_batch_size, self.seq_len, shape.hidden_size)
+        cp = self.cp.size if self.cp else 1
+        consts = sequence_consts(self.seq_len, cp, self.dist_ctx.cp_rank, shape.head_dim, shape.rope_theta, device,
+                                 dtype)
+        self.partitioned = PartitionedBlock(self.model, self.tp, consts, self.cp)
+        self.sequential = SequentialBlock(self.model, self.tp, consts, self.cp)
+        self.activation_shape = (self.micro_batch_size, self.seq_len // cp, shape.hidden_size)
         self.dtype = dtype
         for ins in self.follower.instructions:
             where = f"schedule stage {self.follower.stage} {ins.kind} of microbatch {ins.microbatch}"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from kareus.daemon_client import ClockClient, connect
 from kareus.errors import KareusError
-from kareus.runtime.comm import TPComm, nccl_groups_by_sms
+from kareus.runtime.comm import GroupComm, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, load_tokens
 from kareus.runtime.energy import MeasuredEnergy, SimulatedEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
@@ -50,6 +50,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     micro_batch_size: int = 2
     num_microbatches: int = 1
     activation_checkpointing: bool = True
@@ -75,15 +76,17 @@ class TrainConfig:
             raise KareusError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.dtype not in DTYPES:
             raise KareusError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        for name in ("seq_len", "tp", "pp", "dp", "micro_batch_size", "num_microbatches"):
+        for name in ("seq_len", "tp", "pp", "dp", "cp", "micro_batch_size", "num_microbatches"):
             if getattr(self, name) < 1:
                 raise KareusError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len % self.cp:
+            raise KareusError(f"spec.sequenceLength {self.seq_len} must be divisible by context parallelism {self.cp}")
         if self.steps < 0:
             raise KareusError(f"steps must be >= 0, got {self.steps}")
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.dp)
+        return Layout(self.tp, self.pp, self.dp, self.cp)
 
     @property
     def layers_per_stage(self) -> tuple[int, ...]:
@@ -94,10 +97,8 @@ class TrainConfig:
         """From a `kareus.spec.JobSpec` (or a `KareusJob`, whose `.spec` is used)."""
         spec = getattr(spec, "spec", spec)
         par = spec.parallelism
-        if par.context != 1:
-            raise KareusError("spec.parallelism.context: the runtime supports context 1 only; allowed: 1")
         base = cls(shape=spec.model_shape(), seq_len=spec.sequence_length, tp=par.tensor, pp=par.pipeline,
-                   dp=par.data, micro_batch_size=par.micro_batch_size, num_microbatches=par.num_micro_batches,
+                   dp=par.data, cp=par.context, micro_batch_size=par.micro_batch_size, num_microbatches=par.num_micro_batches,
                    activation_checkpointing=par.activation_checkpointing, steps=spec.training.steps,
                    gpu_product=spec.gpu_product)
         return replace(base, **overrides)
@@ -127,16 +128,13 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     layout = StageLayout.of(ctx.pp_rank, config.layers_per_stage)
     model = StageModel(config.shape, layout, tp=config.tp, tp_rank=ctx.tp_rank, seed=config.seed,
                        device=ctx.device, dtype=DTYPES[config.dtype])
-    groups = {}
-    if cuda and config.tp > 1:
-        groups = nccl_groups_by_sms(config.layout.tp_groups(), ctx.tp_ranks, schedule.comm_sms_in_use())
-    comm = TPComm(ctx.tp_group, config.tp, cuda=cuda, standin=config.comm_standin, groups_by_sms=groups)
+    tp, cp = _comms(ctx, config, schedule, cuda)
     meter = _nvml_meter(ctx) if cuda else None
     if clock is None:
         clock = connect(config.daemon_socket, [meter.uuid] if meter else None, job=config.job_name or None)
     follower = PlanFollower(schedule.stages[ctx.pp_rank], stage=ctx.pp_rank, clock=clock)
-    executor = StageExecutor(model, ctx, comm, follower, config.seq_len, config.micro_batch_size,
-                             config.activation_checkpointing)
+    executor = StageExecutor(model, ctx, tp, follower, config.seq_len, config.micro_batch_size,
+                             config.activation_checkpointing, cp)
     batcher = Batcher(load_tokens(config.data_path, config.shape.vocab_size), config.seq_len,
                       config.micro_batch_size, config.num_microbatches, config.dp, config.seed)
     simulated = None if meter else _simulated_energy(config, schedule)
@@ -150,8 +148,9 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
         for step in range(config.steps):
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            local_loss = executor.run(batcher.microbatches(step, ctx.dp_rank, ctx.device),
-                                      1.0 / batcher.tokens_per_step, step)
+            batches = [_my_chunk(x, y, ctx.cp_rank, config.cp)
+                       for x, y in batcher.microbatches(step, ctx.dp_rank, ctx.device)]
+            local_loss = executor.run(batches, 1.0 / batcher.tokens_per_step, step)
             _sync_gradients(ctx, model)
             optimizer.step()
             if cuda:
@@ -172,6 +171,26 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                          simulated.time_s if simulated else None, tuple(follower.log), config.out_dir,
                          outputs.metrics_port)
     return result, (model if keep_model else None)
+
+
+def _comms(ctx: DistContext, config: TrainConfig, schedule: Schedule, cuda: bool) -> tuple[GroupComm, GroupComm]:
+    """The TP and CP collectives; on CUDA they share one comm stream and get one communicator per
+    SM count the schedule uses."""
+    stream = torch.cuda.Stream() if cuda else None
+    comms = []
+    for size, group, all_ranks, my_ranks in ((config.tp, ctx.tp_group, config.layout.tp_groups(), ctx.tp_ranks),
+                                             (config.cp, ctx.cp_group, config.layout.cp_groups(), ctx.cp_ranks)):
+        by_sms = nccl_groups_by_sms(all_ranks, my_ranks, schedule.comm_sms_in_use()) if cuda and size > 1 else {}
+        comms.append(GroupComm(group, size, cuda=cuda, standin=config.comm_standin and comms == [],
+                               groups_by_sms=by_sms, stream=stream))
+    return comms[0], comms[1]
+
+
+def _my_chunk(tokens: torch.Tensor, targets: torch.Tensor, cp_rank: int, cp: int):
+    """This context-parallel rank's contiguous chunk of every sequence."""
+    chunk = tokens.shape[1] // cp
+    rows = slice(cp_rank * chunk, (cp_rank + 1) * chunk)
+    return tokens[:, rows], targets[:, rows]
 
 
 def _check(config: TrainConfig, schedule: Schedule) -> None:
@@ -197,10 +216,10 @@ def _nvml_meter(ctx: DistContext) -> MeasuredEnergy | None:
 
 def _simulated_energy(config: TrainConfig, schedule: Schedule):
     mbs = config.micro_batch_size + config.micro_batch_size % 2  # the workload counts nanobatch pairs
-    workload = build_workload(config.shape, tp=config.tp, cp=1, pp=config.pp, seq_len=config.seq_len,
+    workload = build_workload(config.shape, tp=config.tp, cp=config.cp, pp=config.pp, seq_len=config.seq_len,
                               micro_batch_size=mbs, activation_checkpointing=config.activation_checkpointing,
                               stage_layers=config.layers_per_stage)
-    return SimulatedEnergy(workload, config.gpu_product, schedule, config.tp * config.dp).result
+    return SimulatedEnergy(workload, config.gpu_product, schedule, config.tp * config.cp * config.dp).result
 
 
 def _optimizer(config: TrainConfig, model: StageModel) -> torch.optim.Optimizer:
@@ -210,14 +229,15 @@ def _optimizer(config: TrainConfig, model: StageModel) -> torch.optim.Optimizer:
 
 
 def _sync_gradients(ctx: DistContext, model: StageModel) -> None:
-    """Sum gradients over data parallelism (one flat buffer) and tied embeddings over the ends."""
+    """Sum gradients over the data- and context-parallel replicas (one flat buffer) and tied
+    embeddings over the pipeline ends."""
     params = list(model.parameters())
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    if ctx.dp_group is not None:
+    if ctx.grad_group is not None:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=ctx.dp_group)
+        dist.all_reduce(flat, group=ctx.grad_group)
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -302,7 +322,7 @@ def train(job, plan=None, *, schedule_mode: str = "plan", nproc: int | None = No
     per_node = nproc if nproc is not None else world // nodes.nnodes
     if per_node * nodes.nnodes != world:
         raise KareusError(f"--nproc {per_node} × NNODES {nodes.nnodes} = {per_node * nodes.nnodes} processes, "
-                          f"but tensor×pipeline×data = {world}")
+                          f"but tensor×context×pipeline×data = {world}")
     with tempfile.TemporaryDirectory(prefix="kareus-train-") as tmp:
         device = _spawn_device(config.device, per_node)
         spawn_local(per_node, _spawned_rank, replace(config, device=device), schedule, tmp, nodes=nodes)
@@ -335,10 +355,12 @@ def build_schedule(job, plan, config: TrainConfig, schedule_mode: str = "plan") 
 
 def _check_plan_matches(plan, config: TrainConfig) -> None:
     job = plan.job
-    mine = (config.tp, config.pp, config.dp, config.micro_batch_size, config.num_microbatches, config.seq_len)
-    theirs = (job.tensor, job.pipeline, job.data, job.micro_batch_size, job.num_micro_batches, job.sequence_length)
+    mine = (config.tp, config.cp, config.pp, config.dp, config.micro_batch_size, config.num_microbatches,
+            config.seq_len)
+    theirs = (job.tensor, job.context, job.pipeline, job.data, job.micro_batch_size, job.num_micro_batches,
+              job.sequence_length)
     if mine != theirs:
-        names = ("tensor", "pipeline", "data", "microBatchSize", "numMicroBatches", "sequenceLength")
+        names = ("tensor", "context", "pipeline", "data", "microBatchSize", "numMicroBatches", "sequenceLength")
         diffs = ", ".join(f"{n}: job {a}, plan {b}" for n, a, b in zip(names, mine, theirs, strict=True) if a != b)
         raise KareusError(f"the plan was made for another layout ({diffs})")
 
