@@ -175,15 +175,16 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
 
 def _comms(ctx: DistContext, config: TrainConfig, schedule: Schedule, cuda: bool) -> tuple[GroupComm, GroupComm]:
     """The TP and CP collectives; on CUDA they share one comm stream and get one communicator per
-    SM count the schedule uses."""
+    SM count the schedule uses. The one-GPU stand-in replaces the TP all-reduce."""
     stream = torch.cuda.Stream() if cuda else None
-    comms = []
-    for size, group, all_ranks, my_ranks in ((config.tp, ctx.tp_group, config.layout.tp_groups(), ctx.tp_ranks),
-                                             (config.cp, ctx.cp_group, config.layout.cp_groups(), ctx.cp_ranks)):
-        by_sms = nccl_groups_by_sms(all_ranks, my_ranks, schedule.comm_sms_in_use()) if cuda and size > 1 else {}
-        comms.append(GroupComm(group, size, cuda=cuda, standin=config.comm_standin and comms == [],
-                               groups_by_sms=by_sms, stream=stream))
-    return comms[0], comms[1]
+    sms = schedule.comm_sms_in_use()
+
+    def comm(size: int, group, all_ranks, my_ranks, standin: bool) -> GroupComm:
+        by_sms = nccl_groups_by_sms(all_ranks, my_ranks, sms) if cuda and size > 1 else {}
+        return GroupComm(group, size, cuda=cuda, standin=standin, groups_by_sms=by_sms, stream=stream)
+
+    return (comm(config.tp, ctx.tp_group, config.layout.tp_groups(), ctx.tp_ranks, config.comm_standin),
+            comm(config.cp, ctx.cp_group, config.layout.cp_groups(), ctx.cp_ranks, False))
 
 
 def _my_chunk(tokens: torch.Tensor, targets: torch.Tensor, cp_rank: int, cp: int):
