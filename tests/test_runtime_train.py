@@ -290,3 +290,24 @@ def test_a_user_error_in_a_spawned_rank_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("kareus: error: rank ") and "cannot read tokens" in err[-1]
     assert not any("Traceback" in line for line in err)
+
+
+def test_clocks_reach_a_real_node_daemon_and_are_reset(tmp_path):
+    """Training with `daemon_socket` locks this rank's (simulated) GPU per the plan, then resets it."""
+    from test_daemon_support import start_daemon, wait_for
+
+    from kareus.daemon_client import DaemonConnection
+    from kareus.metric_names import GPU_CLOCK_CHANGES_TOTAL
+
+    daemon = start_daemon(tmp_path, "--standalone")
+    try:
+        with DaemonConnection(daemon.socket_path) as connection:
+            gpu = next(g.uuid for g in connection.discover() if g.controllable)
+        manifest = _manifest(m=2, steps=2)
+        train(parse_job(manifest), _plan(manifest, (1410, 1005)), daemon_socket=daemon.socket_path, device="cpu")
+        # 2 steps × 4 instructions alternating 1410/1005 MHz, then the reset when training ends
+        wait_for(lambda: daemon.metric(GPU_CLOCK_CHANGES_TOTAL, gpu_uuid=gpu) >= 2)
+        with DaemonConnection(daemon.socket_path) as connection:
+            wait_for(lambda: connection.read([gpu])[0].locked_clock_mhz is None)
+    finally:
+        assert daemon.stop() == 0

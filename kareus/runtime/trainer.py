@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kareus.daemon_client import ClockClient, connect
+from kareus.daemon_client import ClockClient, DaemonConnection, DaemonError, connect
 from kareus.errors import KareusError
 from kareus.runtime.comm import GroupComm, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, load_tokens
@@ -131,7 +131,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     tp, cp = _comms(ctx, config, schedule, cuda)
     meter = _nvml_meter(ctx) if cuda else None
     if clock is None:
-        clock = connect(config.daemon_socket, [meter.uuid] if meter else None, job=config.job_name or None)
+        clock = connect(config.daemon_socket, _my_gpus(config.daemon_socket, meter), job=config.job_name or None)
     follower = PlanFollower(schedule.stages[ctx.pp_rank], stage=ctx.pp_rank, clock=clock)
     executor = StageExecutor(model, ctx, tp, follower, config.seq_len, config.micro_batch_size,
                              config.activation_checkpointing, cp)
@@ -204,6 +204,22 @@ def _check(config: TrainConfig, schedule: Schedule) -> None:
     if partitioned and config.micro_batch_size % 2:
         raise KareusError(f"spec.parallelism.microBatchSize must be even for partitioned (nanobatched) "
                           f"execution, got {config.micro_batch_size}; or use --schedule sequential")
+
+
+def _my_gpus(socket_path: str | None, meter: MeasuredEnergy | None) -> list[str] | None:
+    """The GPU whose clock this rank controls: its CUDA device; on a CPU run (simulated GPUs behind
+    the daemon) the daemon's controllable GPU number LOCAL_RANK, so ranks never fight over a clock."""
+    if meter is not None:
+        return [meter.uuid]
+    if not socket_path:
+        return None
+    try:
+        with DaemonConnection(socket_path) as daemon:
+            controllable = [gpu.uuid for gpu in daemon.discover() if gpu.controllable]
+    except DaemonError:
+        return None  # `connect` reports the same problem and degrades to no clock control
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return [controllable[local_rank % len(controllable)]] if controllable else None
 
 
 def _nvml_meter(ctx: DistContext) -> MeasuredEnergy | None:
