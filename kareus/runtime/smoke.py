@@ -9,8 +9,6 @@ each mode's iteration time, and the energy per iteration from NVML (simulated wi
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from kareus.errors import KareusError
@@ -31,7 +29,7 @@ def cuda_smoke(*, steps: int = 6, preset: str = "tiny", seq_len: int = 256, micr
     ctx = init_distributed(config.layout, device="cuda")
     runs = {}
     for mode in ("sequential", "partitioned"):
-        result, _ = run_rank(ctx, replace(config), Schedule.uniform(1, num_microbatches, mode=mode))
+        result, _ = run_rank(ctx, config, Schedule.uniform(1, num_microbatches, mode=mode))
         runs[mode] = result
     seq, part = runs["sequential"], runs["partitioned"]
     worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(part.losses, seq.losses, strict=True))
