@@ -20,7 +20,8 @@ from operator_fakes import STEP_ENERGY_J, settings_env
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 JOBS_API = "kareus.dev/v1alpha1"
-POLICY = "allowedNamespaces: [default, team-a]\nprofileReuse: true\n"
+POLICY = ("allowedNamespaces: [default, team-a, team-b]\nprofileReuse: true\n"
+          "namespaceEnergyBudgets: {team-b: 0.0001}\n")  # 360 J; one fake job measures 492 J
 TERMINAL = ("Succeeded", "Failed")
 
 pytestmark = pytest.mark.timeout(240)
@@ -61,7 +62,7 @@ async def events_for(kube: Kube, namespace: str, name: str) -> list[str]:
 async def test_jobs_reach_their_outcomes(tmp_path):
     cluster = DevCluster(tmp_path, operator=False, node_daemon=False, operator_env=settings_env(tmp_path))
     async with cluster, Kube(load_kubeconfig(cluster.kubeconfig)) as kube:
-        for namespace in ("team-a", "forbidden"):
+        for namespace in ("team-a", "team-b", "forbidden"):
             await kube.create(path("v1", "namespaces"), {"metadata": {"name": namespace}})
         await kube.create(path("v1", "configmaps", "kareus-system"),
                           {"metadata": {"name": "kareus-policy"}, "data": {"policy.yaml": POLICY}})
@@ -70,7 +71,7 @@ async def test_jobs_reach_their_outcomes(tmp_path):
         slow["spec"]["training"]["env"] = [{"name": "FAKE_STEP_S", "value": "10"}]
         jobs = [fake_job("ok"), fake_job("retry-f1train"), fake_job("doomed-f9optimize", backoffLimit=1),
                 fake_job("refused", namespace="forbidden"), fake_job("paused", suspend=True), slow,
-                fake_job("shortlived", ttlSecondsAfterFinished=1)]
+                fake_job("shortlived", ttlSecondsAfterFinished=1), fake_job("spender", namespace="team-b")]
         for job in jobs:
             await kube.request("POST", path(JOBS_API, "kareusjobs", job["metadata"]["namespace"]), job)
 
@@ -107,6 +108,14 @@ async def test_jobs_reach_their_outcomes(tmp_path):
         failed = next(c for c in refused["status"]["conditions"] if c["type"] == "Failed")
         assert failed["reason"] == "PolicyViolation" and "policy.allowedNamespaces" in failed["message"]
         assert await kube.list(path("v1", "pods", "forbidden")) == []
+
+        # The namespace's energy budget: the first job spends it, the next one is refused.
+        spender = await wait_for(kube, "team-b", "spender", phase_in(*TERMINAL))
+        assert spender["status"]["phase"] == "Succeeded"
+        await kube.request("POST", path(JOBS_API, "kareusjobs", "team-b"), fake_job("latecomer", namespace="team-b"))
+        latecomer = await wait_for(kube, "team-b", "latecomer", phase_in(*TERMINAL))
+        failed = next(c for c in latecomer["status"]["conditions"] if c["type"] == "Failed")
+        assert failed["reason"] == "PolicyViolation" and "policy.namespaceEnergyBudgets" in failed["message"]
 
         late = await wait_for(kube, "team-a", "slow", phase_in(*TERMINAL))
         assert conditions(late)["Failed"] == ("True", "DeadlineExceeded")

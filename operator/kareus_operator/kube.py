@@ -65,6 +65,8 @@ def load_kubeconfig(path: str | Path, context: str | None = None) -> Credentials
 def in_cluster_credentials() -> Credentials:
     """The pod's service account (the dev cluster points `KAREUS_SERVICEACCOUNT_DIR` elsewhere)."""
     sa = Path(os.environ.get("KAREUS_SERVICEACCOUNT_DIR", SERVICEACCOUNT_DIR))
+    if not (sa / "token").exists() or not (os.environ.get("KAREUS_API_URL") or os.environ.get("KUBERNETES_SERVICE_HOST")):
+        raise KareusError(f"not running in a cluster (no service-account token in {sa}): pass --kubeconfig PATH")
     server = os.environ.get("KAREUS_API_URL") or (
         f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}")
     ca = sa / "ca.crt"

@@ -188,12 +188,20 @@ class Reconciler:
     async def _refused_by_policy(self, p: _Pass, spec: JobSpec) -> bool:
         if p.true("Profiled"):
             return False  # admitted once; a later policy change does not kill running jobs
-        violations = check_job(await self.policy(), p.ns, spec)
+        policy = await self.policy()
+        used_kwh = await self._namespace_used_kwh(p.ns) if policy.energy_budget_kwh(p.ns) is not None else 0.0
+        violations = check_job(policy, p.ns, spec, namespace_used_kwh=used_kwh)
         if not violations:
             return False
         message = "; ".join(f"policy.{v.rule}: {v.message}" for v in violations)
         p.want("Failed", True, "PolicyViolation", message)
         return True
+
+    async def _namespace_used_kwh(self, namespace: str) -> float:
+        """Energy the namespace's KareusJobs have measured so far (for its policy budget)."""
+        jobs = await self.kube.list(path(mf.API_VERSION, "kareusjobs", namespace))
+        return sum(float(((j.get("status") or {}).get("measured") or {}).get("energyJoules") or 0.0)
+                   for j in jobs) / 3.6e6
 
     async def _past_deadline(self, p: _Pass, spec: JobSpec) -> bool:
         if spec.active_deadline_seconds is None:
