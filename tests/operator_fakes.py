@@ -4,7 +4,7 @@ They do what the real phases do at the interface the operator sees — write a p
 document with a prediction and frontier rows, a `train.jsonl` progress log — in milliseconds.
 Failures are injected by the job's name: a job named `x-f2train` fails its first 2 training runs
 (exit 3), `x-f1profile` its first profiling run (runs counted in `FAKE_STATE_DIR`). `FAKE_STEP_S`
-is the time per fake training step, `FAKE_STEPS` the number of steps, `FAKE_PHASE_S` how long
+is the time per fake training step (a job named `*nodaemon*` reports degraded clock control), `FAKE_STEPS` the number of steps, `FAKE_PHASE_S` how long
 profiling and optimizing take.
 
     python tests/operator_fakes.py profile JOB --out PROFILE
@@ -79,8 +79,11 @@ def main() -> int:
         with open(out / "train.jsonl", "a") as log:
             for step in range(steps):
                 time.sleep(float(os.environ.get("FAKE_STEP_S", "0.05")))
-                log.write(json.dumps({"step": step, "loss": 1.0 / (step + 1), "iteration_time_s": STEP_TIME_S,
-                                      "energy_j": STEP_ENERGY_J}) + "\n")
+                record = {"step": step, "loss": 1.0 / (step + 1), "iteration_time_s": STEP_TIME_S,
+                          "energy_j": STEP_ENERGY_J}
+                if "nodaemon" in os.environ.get("KAREUS_JOB_NAME", ""):
+                    record |= {"clock_control": "degraded", "clock_control_reason": "no node daemon on this node"}
+                log.write(json.dumps(record) + "\n")
                 log.flush()
     else:
         print(f"unknown phase {phase}", file=sys.stderr)

@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-
 from kareus_operator.devcluster.cluster import DevCluster
 from kareus_operator.kube import Kube, load_kubeconfig, path
 

@@ -71,7 +71,8 @@ async def test_jobs_reach_their_outcomes(tmp_path):
         slow["spec"]["training"]["env"] = [{"name": "FAKE_STEP_S", "value": "10"}]
         jobs = [fake_job("ok"), fake_job("retry-f1train"), fake_job("doomed-f9optimize", backoffLimit=1),
                 fake_job("refused", namespace="forbidden"), fake_job("paused", suspend=True), slow,
-                fake_job("shortlived", ttlSecondsAfterFinished=1), fake_job("spender", namespace="team-b")]
+                fake_job("shortlived", ttlSecondsAfterFinished=1), fake_job("spender", namespace="team-b"),
+                fake_job("nodaemon")]
         for job in jobs:
             await kube.request("POST", path(JOBS_API, "kareusjobs", job["metadata"]["namespace"]), job)
 
@@ -94,6 +95,10 @@ async def test_jobs_reach_their_outcomes(tmp_path):
         assert conditions(again)["Profiled"] == ("True", "CacheHit") and again["status"]["profile"]["cacheHit"]
         assert await kube.get(path("v1", "pods", "team-a", "again-profile")) is None
         assert again["status"]["profile"]["key"] == ok["status"]["profile"]["key"]
+
+        unclocked = await wait_for(kube, "team-a", "nodaemon", phase_in(*TERMINAL))
+        assert unclocked["status"]["phase"] == "Succeeded"  # training goes on at default clocks
+        assert conditions(unclocked)["ClockControlDegraded"] == ("True", "NodeAgentUnavailable")
 
         retried = await wait_for(kube, "team-a", "retry-f1train", phase_in(*TERMINAL))
         assert retried["status"]["phase"] == "Succeeded" and retried["status"]["restarts"] == 1

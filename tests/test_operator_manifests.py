@@ -140,6 +140,8 @@ def test_progress_summary_ignores_partial_lines():
              '{"step": 1, "iteration_time_s": 0.7, "energy_j": 140}', '{"step": 2, "iter']
     assert summarise_progress(lines) == {"iterations": 2, "energyJoules": 240.0,
                                          "averageIterationSeconds": 0.6, "lastStep": 1}
+    degraded = '{"step": 2, "iteration_time_s": 1, "energy_j": 1, "clock_control": "degraded", "clock_control_reason": "GPU shared"}'
+    assert summarise_progress([*lines[:2], degraded])["clockControlDegraded"] == "GPU shared"
 
 
 def test_operator_metrics_follow_phase_changes():

@@ -48,7 +48,10 @@ def summarise_progress(lines: Sequence[str]) -> dict[str, Any]:
             records.append(record)
     time_s = sum(float(r["iteration_time_s"]) for r in records)
     energy_j = sum(float(r.get("energy_j") or 0.0) for r in records)
-    return {
+    # A worker that lost clock control says so per step (`clock_control: degraded`, with a reason).
+    degraded = [r for r in records if r.get("clock_control") == "degraded"]
+    extra = {"clockControlDegraded": str(degraded[-1].get("clock_control_reason") or "no reason given")} if degraded else {}
+    return extra | {
         "iterations": len(records),
         "energyJoules": round(energy_j, 6),
         "averageIterationSeconds": round(time_s / len(records), 9) if records else 0.0,

@@ -362,6 +362,9 @@ class Reconciler:
                         "averageIterationSeconds": float(progress["averageIterationSeconds"])}
         except (ValueError, KeyError, TypeError):
             return
+        if progress.get("clockControlDegraded"):
+            p.want("ClockControlDegraded", True, "NodeAgentUnavailable",
+                   f"training runs at default clocks: {progress['clockControlDegraded']}")
         if measured["iterations"]:
             per_iteration_j = measured["energyJoules"] / measured["iterations"]
             measured["averageIterationJoules"] = per_iteration_j
