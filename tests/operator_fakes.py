@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 SCRIPT = str(Path(__file__).resolve())
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 STEP_ENERGY_J = 123.0
 STEP_TIME_S = 0.25
 
@@ -41,6 +42,11 @@ def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4, phase
         "KAREUS_OPERATOR_PROGRESS_INTERVAL_S": "0.2",
     }
     return env
+
+
+def conditions(job: dict) -> dict[str, tuple[str, str]]:
+    """A job's conditions as {type: (status, reason)}."""
+    return {c["type"]: (c["status"], c["reason"]) for c in (job.get("status") or {}).get("conditions", [])}
 
 
 def _arg(name: str) -> str:

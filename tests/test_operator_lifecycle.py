@@ -10,15 +10,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 from kareus_operator.devcluster.cluster import DevCluster
 from kareus_operator.kube import Kube, load_kubeconfig, path
-from operator_fakes import STEP_ENERGY_J, settings_env
+from operator_fakes import QUICKSTART, STEP_ENERGY_J, conditions, settings_env
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 JOBS_API = "kareus.dev/v1alpha1"
 POLICY = ("allowedNamespaces: [default, team-a, team-b]\nprofileReuse: true\n"
           "namespaceEnergyBudgets: {team-b: 0.0001}\n")  # 360 J; one fake job measures 492 J
@@ -48,10 +46,6 @@ async def wait_for(kube: Kube, namespace: str, name: str, check, timeout_s: floa
 
 def phase_in(*phases):
     return lambda job: job is not None and (job.get("status") or {}).get("phase") in phases
-
-
-def conditions(job: dict) -> dict[str, tuple[str, str]]:
-    return {c["type"]: (c["status"], c["reason"]) for c in job["status"]["conditions"]}
 
 
 async def events_for(kube: Kube, namespace: str, name: str) -> list[str]:

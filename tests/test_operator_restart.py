@@ -15,8 +15,7 @@ import pytest
 import yaml
 from kareus_operator.devcluster.cluster import DevCluster
 from kareus_operator.kube import Kube, load_kubeconfig, path
-from operator_fakes import STEP_ENERGY_J, settings_env
-from test_operator_lifecycle import QUICKSTART, conditions
+from operator_fakes import QUICKSTART, STEP_ENERGY_J, conditions, settings_env
 
 PODS = kmock.resource("", "v1", "pods")
 JOBS = kmock.resource("kareus.dev", "v1alpha1", "kareusjobs")

@@ -274,3 +274,5 @@ class DevClusterProcess:
 
     def __exit__(self, *exc: object) -> None:
         _kill(self.process, signal.SIGTERM)
+        if self.process is not None and self.process.stdout is not None:
+            self.process.stdout.close()
