@@ -174,3 +174,24 @@ def test_unknown_algorithm_and_bad_size_class_are_clear_errors():
         get_algorithm("bayes")
     with pytest.raises(KareusError, match="size class"):
         minimize(_small_problem(size_class="huge"), MultiPassMBO(get_algorithm("paper").settings))
+
+
+def test_transfer_pass_carries_a_winning_configuration_to_other_clocks():
+    from kareus.optimizer.mbo.acquisition import Planes, transfer_rank
+
+    space = SearchSpace((1410, 1200, 1000), (3, 6, 9), ("a",))
+    # Measured: at 1410 and 1200 every configuration; comm_sms=6 is strictly best at both.
+    measured = np.array([0, 1, 2, 3, 4, 5])
+    time_s = np.array([1.2, 1.0, 1.1, 1.4, 1.2, 1.3])
+    effective = np.array([5.0, 4.0, 4.5, 4.0, 3.0, 3.5])
+    remaining = np.array([6, 7, 8])  # 1000 MHz: 3, 6, 9 SMs
+    planes = Planes(time_s, effective, np.array([1.5, 1.5, 1.5]), np.array([2.0, 2.0, 2.0]), 85.0)
+    order = transfer_rank(space, measured, planes, remaining, tie_break=np.array([0, 1, 2]))
+    assert remaining[order[0]] == 7  # comm_sms=6 at 1000 MHz
+
+
+def test_default_preset_does_not_stop_before_a_tenth_of_the_grid():
+    space = SearchSpace(tuple(range(900, 1411, 30)), tuple(range(1, 21)), ("a", "b"))
+    problem = Problem("flat", space, lambda cs: [(1.0, 100.0) for _ in cs], 85.0, "large")
+    result = minimize(problem, get_algorithm("default"), seed=0)
+    assert 0.1 * space.size <= result.evaluations < 0.2 * space.size

@@ -13,7 +13,8 @@ Each pass ranks every unmeasured point by one criterion computed from surrogate 
   (time, effective energy) front of some clock is likely good at the neighbouring clocks too —
   the best overlap changes slowly with the clock. Each clock votes for the configurations on its
   (time, effective energy) front, judged on measured values where measured and predictions
-  elsewhere; unmeasured points rank by their configuration's votes, then by total-energy HVI.
+  elsewhere. Unmeasured points rank by their configuration's votes, then by total-energy HVI;
+  points at a clock with no measurement yet come first (composition drops such a clock).
 
 Axes are min-max normalised with the measured points' bounds and the reference point is 1.1 ×
 the worst measured value. Points with zero HVI are ranked by how far they are predicted to miss
@@ -108,14 +109,18 @@ def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, rema
     effective_j = np.empty(space.size)
     time_s[measured], effective_j[measured] = planes.measured_time_s, planes.measured_effective_j
     time_s[remaining], effective_j[remaining] = planes.predicted_time_s, planes.predicted_effective_j
-    votes = np.zeros(len(space.comm_sms) * len(space.launch_slots))
-    for clock in range(len(space.clocks_mhz)):
+    n_clocks = len(space.clocks_mhz)
+    on_front = np.zeros((n_clocks, len(space.comm_sms) * len(space.launch_slots)))
+    for clock in range(n_clocks):
         at_clock = np.flatnonzero(clock_i == clock)
         plane = np.column_stack((time_s[at_clock], effective_j[at_clock]))
-        np.add.at(votes, config[at_clock][pareto_mask(plane)], 1.0)
+        on_front[clock, config[at_clock][pareto_mask(plane)]] = 1.0
+    votes = on_front.sum(axis=0)
     position = np.empty(len(remaining), dtype=int)
     position[tie_break] = np.arange(len(remaining))
-    return np.lexsort((position, -votes[config[remaining]]))
+    # A clock with no measurement at all comes first: composition drops such a clock.
+    uncovered = ~np.isin(clock_i[remaining], clock_i[measured])
+    return np.lexsort((position, -votes[config[remaining]], ~uncovered))
 
 
 def rank_passes(planes: Planes, uncertainty: np.ndarray | None,
