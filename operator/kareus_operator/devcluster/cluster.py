@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ from typing import Any
 
 import kmock
 import yaml
+from aiohttp.test_utils import RawTestServer
 
 from kareus.errors import KareusError
 from kareus_operator.devcluster.emulator import CRD_RESOURCE, NAMESPACES, ApiEmulator
@@ -37,10 +40,42 @@ DEFAULT_NAMESPACES = ("default", "kareus-system")
 DAEMON_SOCKET_DIR = "/var/run/kareus"  # hostPath on the node; under the dev node's host root here
 
 
-def write_kubeconfig(path: Path, server: str, token: str) -> None:
+def make_certificate(directory: Path) -> tuple[Path, Path] | None:
+    """A self-signed serving certificate for 127.0.0.1/localhost (openssl), or None without openssl.
+
+    kubectl sends bearer tokens only over TLS, so the dev API serves HTTPS whenever it can.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "apiserver.crt", directory / "apiserver.key"
+    result = subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "30", "-subj", "/CN=kareus-dev-apiserver",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+         "-addext", "basicConstraints=critical,CA:TRUE"], capture_output=True, check=False)
+    return (cert, key) if result.returncode == 0 else None
+
+
+class _TlsServer(RawTestServer):
+    """kmock's HTTP server with TLS (aiohttp takes the context at start, kmock passes none)."""
+
+    def __init__(self, handler: Any, *, tls: ssl.SSLContext, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self._tls = tls
+
+    async def start_server(self, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> None:
+        await super().start_server(loop=loop, ssl=self._tls, **kwargs)
+
+
+def write_kubeconfig(path: Path, server: str, token: str, ca_file: Path | None = None) -> None:
+    cluster: dict[str, Any] = {"server": server}
+    if ca_file is not None:
+        cluster["certificate-authority"] = str(ca_file)
     config = {
         "apiVersion": "v1", "kind": "Config", "current-context": "kareus-dev",
-        "clusters": [{"name": "kareus-dev", "cluster": {"server": server}}],
+        "clusters": [{"name": "kareus-dev", "cluster": cluster}],
         "users": [{"name": "kareus-dev-admin", "user": {"token": token}}],
         "contexts": [{"name": "kareus-dev", "context": {"cluster": "kareus-dev", "user": "kareus-dev-admin",
                                                          "namespace": "default"}}],
@@ -113,7 +148,8 @@ class DevCluster:
     def __init__(self, workdir: str | Path, *, kubeconfig: str | Path | None = None,
                  crd_path: str | Path | None = DEFAULT_CRD, operator: bool = True, node_daemon: bool = True,
                  operator_args: Sequence[str] = (), operator_env: Mapping[str, str] | None = None,
-                 pod_env: Mapping[str, str] | None = None, pod_slots: int | None = None) -> None:
+                 pod_env: Mapping[str, str] | None = None, pod_slots: int | None = None,
+                 tls: bool = True) -> None:
         self.workdir = Path(workdir)
         self.kubeconfig = Path(kubeconfig) if kubeconfig else self.workdir / "kubeconfig"
         self.crd_path = Path(crd_path) if crd_path else None
@@ -123,6 +159,8 @@ class DevCluster:
         self.token = self.api.new_token()
         self.pod_env = dict(pod_env or {})
         self.pod_slots = pod_slots
+        self.tls = tls
+        self.ca_file: Path | None = None
         self.server: kmock.Server | None = None
         self.runner: PodRunner | None = None
         self.operator_process: subprocess.Popen | None = None
@@ -153,7 +191,14 @@ class DevCluster:
         with contextlib.suppress(ImportError):
             self.api.custom_validator = crd_validator()
         await self.api.__aenter__()
-        self.server = kmock.Server(self.api)
+        pair = make_certificate(self.workdir / "pki") if self.tls else None
+        if pair is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(*pair)
+            self.ca_file = pair[0]
+            self.server = kmock.Server(self.api, server_cls=functools.partial(_TlsServer, tls=context))
+        else:
+            self.server = kmock.Server(self.api)
         await self.server.__aenter__()
         self.api.resources.load_bundled()
         for namespace in DEFAULT_NAMESPACES:
@@ -167,9 +212,9 @@ class DevCluster:
             for doc in yaml.safe_load_all(self.crd_path.read_text()):
                 if doc:
                     await self.api.create(CRD_RESOURCE, None, doc)
-        write_kubeconfig(self.kubeconfig, self.url, self.token)
+        write_kubeconfig(self.kubeconfig, self.url, self.token, self.ca_file)
         self.runner = PodRunner(self.api, self.workdir / "node", api_url=self.url, host_root=self.host_root,
-                                extra_env=self.pod_env, pod_slots=self.pod_slots)
+                                extra_env=self.pod_env, pod_slots=self.pod_slots, ca_file=self.ca_file)
         await self.runner.start()
         if self.want_node_daemon:
             self.node_process = self._start_node_daemon()

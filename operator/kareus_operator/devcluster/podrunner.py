@@ -8,8 +8,8 @@ appears at the start of an argument, an environment value or the working directo
 path replaces it. Cluster DNS is equally simple: every `*.svc` name resolves to 127.0.0.1, because
 all pods share the loopback interface.
 
-Pods get the API's address (`KUBERNETES_SERVICE_HOST/PORT`, plus `KAREUS_API_URL` since the dev API
-speaks plain HTTP) and a service-account token in a directory named by
+Pods get the API's address (`KUBERNETES_SERVICE_HOST/PORT`, plus `KAREUS_API_URL` with the
+scheme) and a service-account token and CA certificate in a directory named by
 `KAREUS_SERVICEACCOUNT_DIR`. Status goes Pending → Running → Succeeded/Failed with container
 states and exit codes; logs are kept per container and served through `/pods/NAME/log`. Deleting a
 pod terminates its processes (SIGTERM, then SIGKILL after the grace period).
@@ -59,10 +59,12 @@ class PodRunner:
     """Runs every pod of the emulator on this machine; `start()` subscribes, `stop()` kills all."""
 
     def __init__(self, api: ApiEmulator, root: Path, *, api_url: str, host_root: Path | None = None,
-                 extra_env: Mapping[str, str] | None = None, pod_slots: int | None = None) -> None:
+                 extra_env: Mapping[str, str] | None = None, pod_slots: int | None = None,
+                 ca_file: Path | None = None) -> None:
         self.api, self.root, self.api_url = api, Path(root), api_url
         self.host_root = Path(host_root) if host_root else self.root / "host"
         self.extra_env = dict(extra_env or {})
+        self.ca_file = ca_file
         self.pods: dict[str, RunningPod] = {}  # by uid
         self._tasks: list[asyncio.Task] = []
         self._stopping: set[asyncio.Task] = set()
@@ -167,6 +169,8 @@ class PodRunner:
         sa_dir.mkdir(exist_ok=True)
         (sa_dir / "token").write_text(self.api.new_token())
         (sa_dir / "namespace").write_text(pod.namespace)
+        if self.ca_file is not None:
+            shutil.copyfile(self.ca_file, sa_dir / "ca.crt")
         for volume in body.get("spec", {}).get("volumes", []) or []:
             target = pod.sandbox / "volumes" / volume["name"]
             if "configMap" in volume:
