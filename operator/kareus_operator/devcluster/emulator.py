@@ -44,6 +44,7 @@ from kareus_operator.devcluster import patching
 CRD_RESOURCE = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 NAMESPACES = kmock.resource("", "v1", "namespaces")
 PODS = kmock.resource("", "v1", "pods")
+_VERSION_PATH = re.compile(r"^/(?:api|apis/([^/]+))/([^/]+)/?$")
 _NAMESPACE_PATH = re.compile(r"^/api/v1/namespaces(?:/([^/]+))?(?:/(status|finalize))?/?$")
 # Resources whose writes to the object itself never change `status` (they have the subresource).
 _MAX_KEPT_REQUESTS = 200
@@ -112,7 +113,9 @@ class ApiEmulator(kmock.KubernetesEmulator):
         try:
             self._authenticate(request)
             if request.resource is None or request.resource.plural is None:
-                return await super()._handle(request)  # discovery
+                if match := _VERSION_PATH.match(request.url.path):
+                    return _json(self._resource_list(match.group(1) or "", match.group(2)))
+                return await super()._handle(request)  # the rest of discovery
             return await self._serve(request)
         except ApiError as error:
             return aiohttp.web.json_response(error.body(), status=error.code)
@@ -153,6 +156,25 @@ class ApiEmulator(kmock.KubernetesEmulator):
         if method == enums.method.DELETE:
             return _json(await self.delete(resource, namespace, request.name))
         raise ApiError(405, "MethodNotAllowed", f"{method.value} is not allowed")
+
+    def _resource_list(self, group: str, version: str) -> dict[str, Any]:
+        """`/api/v1` and `/apis/GROUP/VERSION` (kmock answers the core group with the root listing)."""
+        entries = []
+        for resource in sorted(self._get_resources(), key=lambda r: r.plural or ""):
+            if resource.group != group or resource.version != version or not resource.plural:
+                continue
+            info = self.resources[resource]
+            main = {"name": resource.plural, "singularName": info.singular or resource.plural,
+                    "namespaced": bool(info.namespaced), "kind": info.kind or resource.plural.capitalize(),
+                    "verbs": sorted(info.verbs or []), "shortNames": sorted(info.shortnames or []),
+                    "categories": sorted(info.categories or [])}
+            entries.append(main)
+            entries += [{"name": f"{resource.plural}/{sub}", "singularName": "", "namespaced": main["namespaced"],
+                         "kind": main["kind"], "verbs": ["get", "patch", "update"]} for sub in sorted(info.subresources or [])]
+        if not entries and group:
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource {group}/{version}")
+        return {"apiVersion": "v1", "kind": "APIResourceList",
+                "groupVersion": f"{group}/{version}" if group else version, "resources": entries}
 
     def _info(self, resource: kmock.resource) -> kmock.ResourceInfo:
         try:
