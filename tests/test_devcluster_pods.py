@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from kareus_operator.devcluster.cluster import DevCluster
 from kareus_operator.kube import Kube, load_kubeconfig, path
 
 PY = sys.executable
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,3 +85,25 @@ async def test_configmap_updates_reach_running_pods_and_deletion_kills(tmp_path)
         await kube.delete(path("v1", "pods", "default", "watcher"))
         await asyncio.wait_for(process.wait(), 10)  # deleting the pod terminated its process
         assert process.returncode is not None
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+async def test_kubectl_talks_to_the_dev_cluster(tmp_path):
+    async with DevCluster(tmp_path, operator=False, node_daemon=False) as cluster:
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+
+        async def kubectl(*args: str) -> str:
+            process = await asyncio.create_subprocess_exec(
+                "kubectl", *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            out, _ = await asyncio.wait_for(process.communicate(), 60)
+            assert process.returncode == 0, out.decode()
+            return out.decode()
+
+        assert "created" in await kubectl("apply", "--validate=false", "-f", str(QUICKSTART))
+        assert await kubectl("get", "kj", "-o", "jsonpath={.items[*].metadata.name}") == "quickstart"
+        await kubectl("run", "hello", "--image=none", "--restart=Never", "--command", "--", PY, "-c", "print('hi')")
+        deadline = time.monotonic() + 30
+        while "Succeeded" not in await kubectl("get", "pod", "hello", "-o", "jsonpath={.status.phase}"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        assert (await kubectl("logs", "hello")).strip() == "hi"
