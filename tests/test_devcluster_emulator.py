@@ -158,3 +158,14 @@ def test_patch_dialects_and_selector_parsing():
     assert not patching.labels_match(selector, {"app": "x", "tier": "a", "legacy": ""})
     assert patching.fields_match("metadata.name=n,status.phase!=Running", {"metadata": {"name": "n"}})
     assert json.dumps(patching.merge_patch(None, {"x": 1})) == '{"x": 1}'
+
+
+async def test_kubectl_tables_use_the_crd_printer_columns(api):
+    await api.request("POST", JOBS, quickstart())
+    await api.merge_patch(f"{JOBS}/quickstart/status", {"status": {"phase": "Training", "objective": "maxThroughput"}})
+    async with api._session.get(api.credentials.server + JOBS,
+                                headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}) as response:
+        table = await response.json()
+    names = [c["name"] for c in table["columnDefinitions"]]
+    assert table["kind"] == "Table" and names[:3] == ["Name", "Phase", "Objective"] and names[-1] == "Age"
+    assert table["rows"][0]["cells"][:3] == ["quickstart", "Training", "maxThroughput"]

@@ -151,7 +151,7 @@ async def test_objective_change_without_a_frontier_keeps_the_plan(tmp_path):
                                                         "energyBudget": {"perIterationJoules": 100.0}}}})
         await kube.merge_patch(path(JOBS_API, "kareusjobs", "default", "obj"), changed)
         job = await wait_for(kube, "default", "obj", phase_in(*TERMINAL))
-        assert job["status"]["objective"] == '{"energyBudget":{"perIterationJoules":100.0}}'
+        assert job["status"]["objective"] == "energyBudget perIterationJoules=100.0"
         assert "ReselectFailed" in await events_for(kube, "default", "obj")
         # 123 J measured per iteration against a 100 J budget.
         assert conditions(job)["BudgetExceeded"] == ("True", "EnergyBudgetExceeded")

@@ -453,8 +453,11 @@ def _manifest(job: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def objective_text(spec: JobSpec) -> str:
-    """The objective as one canonical line (`status.objective`, compared to detect a change)."""
-    return json.dumps(spec.objective.to_dict(), sort_keys=True, separators=(",", ":"))
+    """The objective as one canonical line (`status.objective`, the Objective printer column, and
+    what a change is detected by): `maxThroughput`, `timeBudget maxSlowdownPercent=5.0`, …"""
+    ((kind, params),) = spec.objective.to_dict().items()
+    settings = " ".join(f"{key}={value}" for key, value in sorted((params or {}).items()))
+    return f"{kind} {settings}".strip()
 
 
 @dataclass(frozen=True)

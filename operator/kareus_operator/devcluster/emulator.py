@@ -134,9 +134,11 @@ class ApiEmulator(kmock.KubernetesEmulator):
         sub = request.subresource
         if method == enums.method.GET and request.params.get("watch") in ("true", "1"):
             return await self._watch(request, resource, namespace)
+        table = "as=Table" in request.headers.get("Accept", "")
         if request.name is None:
             if method == enums.method.GET:
-                return _json(self.list_objects(resource, namespace, request.params))
+                listed = self.list_objects(resource, namespace, request.params)
+                return _json(self._table(resource, listed["items"], listed["metadata"]) if table else listed)
             if method == enums.method.POST:
                 return _json(await self.create(resource, namespace, request.data), 201)
             raise ApiError(405, "MethodNotAllowed", f"{method.value} is not allowed on a collection")
@@ -147,7 +149,8 @@ class ApiEmulator(kmock.KubernetesEmulator):
         if sub == "status" and "status" not in info.subresources:
             raise ApiError(404, "NotFound", f"{resource.plural} has no status subresource")
         if method == enums.method.GET:
-            return _json(self.get(resource, namespace, request.name))
+            obj = self.get(resource, namespace, request.name)
+            return _json(self._table(resource, [obj], {"resourceVersion": str(self._rv)}) if table and sub is None else obj)
         if method == enums.method.PATCH:
             content_type = request.headers.get("Content-Type", "application/merge-patch+json")
             return _json(await self.patch(resource, namespace, request.name, request.data, content_type, sub))
@@ -156,6 +159,26 @@ class ApiEmulator(kmock.KubernetesEmulator):
         if method == enums.method.DELETE:
             return _json(await self.delete(resource, namespace, request.name))
         raise ApiError(405, "MethodNotAllowed", f"{method.value} is not allowed")
+
+    def _table(self, resource: kmock.resource, items: list[dict[str, Any]], meta: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side printing for `kubectl get`: Name, the CRD's printer columns (or Phase for pods), Age."""
+        crd = self._crds.get(_key(resource))
+        columns: list[dict[str, Any]] = []
+        if crd is not None:
+            version = next(v for v in crd["spec"]["versions"] if v["name"] == resource.version)
+            columns = [c for c in version.get("additionalPrinterColumns", []) if c.get("jsonPath") != ".metadata.creationTimestamp"]
+        elif resource == PODS:
+            columns = [{"name": "Status", "type": "string", "jsonPath": ".status.phase"}]
+        definitions = [{"name": "Name", "type": "string", "format": "name", "description": "", "priority": 0}]
+        definitions += [{"name": c["name"], "type": c.get("type", "string"), "format": c.get("format", ""),
+                         "description": c.get("description", ""), "priority": c.get("priority", 0)} for c in columns]
+        definitions.append({"name": "Age", "type": "date", "format": "", "description": "", "priority": 0})
+        rows = [{"cells": [o["metadata"]["name"], *(_json_path(o, c["jsonPath"]) for c in columns),
+                           _age(o["metadata"].get("creationTimestamp"))],
+                 "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": o["metadata"]}}
+                for o in items]
+        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": dict(meta),
+                "columnDefinitions": definitions, "rows": rows}
 
     def _resource_list(self, group: str, version: str) -> dict[str, Any]:
         """`/api/v1` and `/apis/GROUP/VERSION` (kmock answers the core group with the root listing)."""
@@ -431,6 +454,25 @@ class ApiEmulator(kmock.KubernetesEmulator):
                     yield event
         finally:
             await bus.unmark(mark)
+
+
+def _json_path(obj: Mapping[str, Any], json_path: str) -> Any:
+    """The value at a simple `.a.b.c` JSONPath (what printer columns use), or None."""
+    current: Any = obj
+    for part in json_path.strip(".").split("."):
+        current = current.get(part) if isinstance(current, Mapping) else None
+    return current
+
+
+def _age(timestamp: str | None) -> str:
+    if not timestamp:
+        return "<unknown>"
+    created = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    seconds = int((datetime.datetime.now(tz=datetime.UTC) - created).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
 
 
 def _selected(obj: Mapping[str, Any], selector: tuple[patching.Requirement, ...], fields: str | None) -> bool:
