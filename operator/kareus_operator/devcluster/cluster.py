@@ -253,8 +253,8 @@ class DevCluster:
         return process
 
     async def stop(self) -> None:
-        _kill(self.operator_process, signal.SIGTERM)
-        _kill(self.node_process, signal.SIGTERM)
+        # Both at once: the node daemon must not outlive the cluster however long the operator takes.
+        _kill_all([self.operator_process, self.node_process])
         if self.runner is not None:
             await self.runner.stop()
             self.runner = None
@@ -263,6 +263,22 @@ class DevCluster:
             self.server = None
         if self.api.active:
             await self.api.__aexit__(None, None, None)
+
+
+def _kill_all(processes: Sequence[subprocess.Popen | None], grace_s: float = 5.0) -> None:
+    """SIGTERM every process group, then SIGKILL what is left after the grace period."""
+    alive = [p for p in processes if p is not None and p.poll() is None]
+    for process in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in alive:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def _kill(process: subprocess.Popen | None, sig: int) -> None:
@@ -318,6 +334,7 @@ class DevClusterProcess:
         raise RuntimeError(f"dev cluster did not start; see {self.workdir / 'dev-cluster.log'}")
 
     def __exit__(self, *exc: object) -> None:
-        _kill(self.process, signal.SIGTERM)
+        # The dev cluster needs up to its own grace period to stop the operator and the node daemon.
+        _kill_all([self.process], grace_s=20.0)
         if self.process is not None and self.process.stdout is not None:
             self.process.stdout.close()
