@@ -11,7 +11,8 @@ resumes exactly where it was, and creating a child twice is a harmless 409.
 - Training: a headless Service and one pod per node; rank 0 publishes progress, which becomes
   `status.measured`; `BudgetExceeded` warns when the energy budget will be overrun at the current
   rate. A changed `spec.objective` re-selects a plan from the stored frontier (no re-profiling) and
-  the new plan reaches the running pods through the mounted ConfigMap, applied at a step boundary.
+  the new plan reaches the running pods through the mounted ConfigMap (the kubelet refreshes the
+  file; a runtime that watches it switches at its next step boundary, restarted ranks use it at once).
 - Complete / Failed: terminal. A failed child is retried with exponential backoff (a timestamp in
   status, re-checked by the timer — never a sleep) up to `backoffLimit`, then the job fails with the
   reason. `activeDeadlineSeconds`, `ttlSecondsAfterFinished` and `suspend` are honoured at every step.
