@@ -107,3 +107,15 @@ async def test_kubectl_talks_to_the_dev_cluster(tmp_path):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.2)
         assert (await kubectl("logs", "hello")).strip() == "hi"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--operator-env", "NOEQUALS"], "--operator-env: expected NAME=VALUE"),
+    (["--pod-slots", "0"], "--pod-slots: must be >= 1"),
+    (["--crd", "/does/not/exist.yaml"], "--crd: no such file"),
+])
+def test_dev_cluster_cli_rejects_bad_arguments(tmp_path, capsys, args, message):
+    from kareus.cli import main
+
+    assert main(["dev-cluster", "--kubeconfig", str(tmp_path / "kc"), *args]) == 1
+    assert message in capsys.readouterr().err
