@@ -62,7 +62,7 @@ class FrontierSettings:
     # "both": solve with each and keep the Pareto set of all steps — the solver's path depends
     # on the model, and two paths cover each other's detours.
     cost_model: str = "both"
-    both_up_to_instructions: int = 256  # bigger DAGs solve once, with the convex model (time)
+    both_up_to_instructions: int = 512  # bigger DAGs solve once, with the convex model (time)
     solve_microbatches: int | None = None
 
     def steps_for(self, num_instructions: int) -> int:
