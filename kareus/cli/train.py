@@ -4,7 +4,9 @@ What the training pods run. Under `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_
 the environment) this process is one rank. Otherwise it starts this node's `--nproc` processes
 itself (one GPU each when enough are visible, else CPU with gloo); with NNODES/NODE_RANK/MASTER_ADDR/
 MASTER_PORT in the environment (as the operator's training pods have) the nodes rendezvous at the
-master like torchrun's. Rank 0 writes `OUT/train.jsonl` and prints a summary. The daemon socket and the metrics port also come from the environment
+master like torchrun's. Rank 0 writes `OUT/train.jsonl` and prints a summary. The plan file is
+watched: when it changes (the operator re-selected a plan), all ranks switch at the next step
+boundary; an invalid new plan is logged and ignored. The daemon socket and the metrics port also come from the environment
 (`KAREUS_DAEMON_SOCKET`, `KAREUS_METRICS_PORT`, `KAREUS_METRICS_ADDR`), so a pod spec sets them
 once for every rank.
 """
@@ -24,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("job", metavar="JOB.yaml", help="the KareusJob manifest")
     parser.add_argument("--plan", metavar="PLAN.json", help="plan to follow (default: every microbatch "
-                        "partitioned at default configs and default clocks)")
+                        "partitioned at default configs and default clocks); a new plan written to this "
+                        "file takes effect at the next step boundary on every rank")
     parser.add_argument("--steps", type=int, help="iterations to run (default: spec.training.steps)")
     parser.add_argument("--data", metavar="FILE", help="token file: .npy token ids, anything else is read as "
                         "bytes (byte-level tokenizer); default: the built-in corpus")
@@ -65,18 +68,20 @@ def _env_int(name: str) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kareus.plan import Plan
     from kareus.runtime import train
+    from kareus.runtime.reload import read_plan
+    from kareus.runtime.trainer import log_to_stderr
     from kareus.spec import load_job
 
     _check_args(args)
+    log_to_stderr()
     job = load_job(args.job)
-    plan = Plan.load(args.plan) if args.plan else None
+    plan, digest = read_plan(args.plan) if args.plan else (None, None)
     overrides = {"seed": args.seed, "data_path": args.data, "out_dir": args.out, "lr": args.lr,
                  "optimizer": args.optimizer, "daemon_socket": args.daemon_socket,
                  "metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr, "device": args.device,
                  "dtype": args.dtype, "comm_standin": args.comm_standin,
-                 "job_name": job.name}
+                 "job_name": job.name, "plan_path": args.plan, "plan_digest": digest}
     if args.steps is not None:
         overrides["steps"] = args.steps
     if plan is not None:

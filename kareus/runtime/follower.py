@@ -80,6 +80,16 @@ class PlanFollower:
         if self._next < len(self.instructions):
             self._request(self._next)
 
+    def switch(self, instructions: tuple[RunInstruction, ...]) -> None:
+        """Follow another instruction list from the next step on (a plan roll-out); only between
+        steps, so no instruction ever mixes two plans. The log goes on."""
+        if self._index >= 0 or 0 < self._next < len(self.instructions):
+            raise KareusError(f"stage {self.stage}: a new plan can only take effect between steps")
+        if not instructions:
+            raise KareusError(f"stage {self.stage}: the schedule has no instructions")
+        self.instructions = instructions
+        self._next = 0
+
     def current_partition_config(self, key: str) -> PartitionConfig | None:
         """The running instruction's config for partition type `key` (recompute types are looked up
         in the recompute configs as `recompute:<key>`); None when sequential or unset."""

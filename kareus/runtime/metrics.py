@@ -1,7 +1,8 @@
 """Progress and metrics of a training run.
 
 `StepRecord` is one iteration as rank 0 writes it to `DIR/train.jsonl` (one JSON object per line:
-step, loss, iteration_time_s, energy_j, tokens, tokens_per_joule, clock summary, …).
+step, loss, iteration_time_s, energy_j, tokens, tokens_per_joule, clock summary, plan revision,
+clock-control state, …).
 `MetricsExporter` is the rank-local Prometheus endpoint with the worker metrics of
 `kareus.metric_names`, served from its own registry (no global state), labelled with the rank and
 stage. Port 0 picks a free port (`exporter.port` says which); no port, no endpoint.
@@ -30,6 +31,16 @@ class StepRecord:
     modelled_time_s: float | None
     energy_source: str
     clock_mhz: dict[str, float] = field(default_factory=dict)
+    # Which plan ran this step: 0 is the plan the run started with, +1 at every roll-out.
+    plan_revision: int = 0
+    plan_predicted_iteration_time_s: float | None = None
+    plan_predicted_iteration_energy_j: float | None = None
+    plan_sha256: str | None = None
+    # "active" (a daemon sets the clocks), "none" (no daemon configured) or "degraded" (clock
+    # control unavailable or refused on some rank; the reason names the rank). The operator sets
+    # its ClockControlDegraded condition from "degraded".
+    clock_control: str = "none"
+    clock_control_reason: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -72,11 +83,19 @@ class MetricsExporter:
         self._energy_gpu = self._energy.labels(**labels, scope="gpu")
         self._energy_job = self._energy.labels(**labels, scope="job")
         self._tpj = gauge(metric_names.TOKENS_PER_JOULE, "Tokens trained per joule in the last iteration.").labels(**labels)
-        plan = plan or {}
-        info = gauge(metric_names.PLAN_INFO, "The plan this worker follows (value 1).", tuple(plan))
-        info.labels(**labels, **plan).set(1)
+        self._labels = labels
+        self._plan_info: Gauge | None = None
+        self._gauge = gauge
+        self.set_plan(plan or {})
         self.server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         self.port = int(self.server.server_port)
+
+    def set_plan(self, plan: dict[str, str]) -> None:
+        """Label `kareus_plan_info` with the plan now followed (after a roll-out the old series goes)."""
+        if self._plan_info is not None:
+            self.registry.unregister(self._plan_info)
+        self._plan_info = self._gauge(metric_names.PLAN_INFO, "The plan this worker follows (value 1).", tuple(plan))
+        self._plan_info.labels(**self._labels, **plan).set(1)
 
     def observe(self, record: StepRecord, gpu_energy_j: float) -> None:
         self._time.set(record.iteration_time_s)

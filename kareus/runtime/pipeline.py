@@ -69,10 +69,19 @@ class StageExecutor:
         self.sequential = SequentialBlock(self.model, self.tp, consts, self.cp)
         self.activation_shape = (self.micro_batch_size, self.seq_len // cp, shape.hidden_size)
         self.dtype = dtype
-        for ins in self.follower.instructions:
+        self.check_instructions(self.follower.instructions)
+
+    def check_instructions(self, instructions: tuple[RunInstruction, ...]) -> None:
+        """Raise `KareusError` unless this stage can run `instructions` (partition configs)."""
+        for ins in instructions:
             where = f"schedule stage {self.follower.stage} {ins.kind} of microbatch {ins.microbatch}"
             self.partitioned.check_configs(ins.configs, forward=ins.kind == "forward", where=f"{where}: configs")
             self.partitioned.check_configs(ins.recompute_configs, forward=True, where=f"{where}: recompute_configs")
+
+    def switch(self, instructions: tuple[RunInstruction, ...]) -> None:
+        """Run `instructions` from the next iteration on (checked first)."""
+        self.check_instructions(instructions)
+        self.follower.switch(instructions)
 
     def run(self, batches: list[tuple[Tensor, Tensor]], loss_scale: float, step: int | None = None) -> float:
         """One iteration; returns the sum of this stage's (scaled) microbatch losses (0 if not last)."""

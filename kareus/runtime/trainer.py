@@ -7,6 +7,11 @@ data parallelism (and tied embeddings across the pipeline ends), step the optimi
 energy, write `train.jsonl` (rank 0) and serve metrics. `train(job, plan, ...)` runs a job from its
 `KareusJob` spec and an optional plan: in-process under `torchrun` (or for one process), or by
 spawning the job's processes on this machine (CPU, gloo).
+
+With `plan_path` the plan file is watched: a changed plan (the operator re-selected one for a new
+objective) takes effect on every rank at the same step boundary, or is rejected with one log line
+(`kareus.runtime.reload`). Every step records which plan revision ran and whether this job's clock
+control works (`clock_control`: active, none, degraded — the operator's ClockControlDegraded).
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ import os
 import pickle
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from kareus.daemon_client import ClockClient, DaemonConnection, DaemonError, connect
+from kareus.daemon_client import ClockClient, DaemonConnection, DaemonError, NullClockClient, connect
 from kareus.errors import KareusError
 from kareus.runtime.comm import GroupComm, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, load_tokens
@@ -32,6 +38,7 @@ from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
 from kareus.runtime.model import StageLayout, StageModel
 from kareus.runtime.parallel import DistContext, Layout, NodeGroup, init_distributed, shutdown, spawn_local
 from kareus.runtime.pipeline import StageExecutor
+from kareus.runtime.reload import PlanRollout, broadcast_bytes
 from kareus.runtime.schedule import Schedule
 from kareus.workload.models import ModelShape
 from kareus.workload.partitions import build_workload, split_layers
@@ -70,6 +77,9 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "float32"
     comm_standin: bool = False
+    plan_path: str | None = None  # watched for a new plan at every step boundary
+    plan_digest: str | None = None  # SHA-256 of the plan file's bytes the run started with
+    schedule_mode: str = "plan"  # "sequential": every plan (also a rolled-out one) runs un-nanobatched
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -117,11 +127,19 @@ class TrainResult:
     clock_log: tuple[ClockRequest, ...]
     out_dir: str | None = None
     metrics_port: int | None = None
+    plan_revisions: tuple[int, ...] = ()  # per step: 0 the starting plan, +1 at every roll-out
+    clock_control: tuple[str, ...] = ()  # per step: active | none | degraded (any rank)
 
 
 def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
-             clock: ClockClient | None = None, keep_model: bool = False) -> tuple[TrainResult, StageModel | None]:
-    """Train on this rank; the process group (if any) is already set up in `ctx`."""
+             clock: ClockClient | None = None, keep_model: bool = False, plan=None,
+             step_hook: Callable[[int], None] | None = None) -> tuple[TrainResult, StageModel | None]:
+    """Train on this rank; the process group (if any) is already set up in `ctx`.
+
+    `plan` is the `kareus.plan.Plan` the schedule came from (its predictions go into train.jsonl);
+    with `config.plan_path` the file is checked for a new plan before every step. `step_hook(step)`
+    runs on every rank at each step boundary before that check (tests use it to swap the file).
+    """
     _check(config, schedule)
     torch.manual_seed(config.seed)
     cuda = ctx.device.type == "cuda"
@@ -137,8 +155,10 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                              config.activation_checkpointing, cp)
     batcher = Batcher(load_tokens(config.data_path, config.shape.vocab_size), config.seq_len,
                       config.micro_batch_size, config.num_microbatches, config.dp, config.seed)
-    simulated = None if meter else _simulated_energy(config, schedule)
     source = "nvml" if meter else "simulated"
+    running = _Running(config, schedule, plan, None if meter else _simulated_energy(config, schedule))
+    rollout = _rollout(ctx, config, executor) if config.plan_path else None
+    running.digest = config.plan_digest or (rollout.digest if rollout else None)
     optimizer = _optimizer(config, model)
     outputs = _Outputs(ctx, config, schedule)
     records: list[StepRecord] = []
@@ -146,6 +166,11 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
         meter.lap_j()  # count from the first step, not from start-up
     try:
         for step in range(config.steps):
+            if step_hook is not None:
+                step_hook(step)
+            if rollout is not None and (new := rollout.check(step)) is not None:
+                running.switch(ctx, step, new.plan, new.built, new.digest, executor, outputs, (tp, cp), meter)
+            simulated = running.simulated
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             batches = [_my_chunk(x, y, ctx.cp_rank, config.cp)
@@ -157,20 +182,84 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             gpu_j = meter.lap_j() if meter else simulated.stage_gpu_energy_j[ctx.pp_rank]
-            loss, elapsed, job_j = _reduce_step(ctx, local_loss, elapsed, gpu_j)
+            loss, elapsed, job_j, control = _reduce_step(ctx, local_loss, elapsed, gpu_j, clock)
             record = StepRecord(step, loss, elapsed, job_j, batcher.tokens_per_step,
                                 batcher.tokens_per_step / job_j if job_j > 0 else 0.0,
-                                simulated.time_s if simulated else None, source, outputs.clock_summary)
+                                simulated.time_s if simulated else None, source, outputs.clock_summary,
+                                *running.record_fields(), *control)
             outputs.write(record, gpu_j)
             records.append(record)
     finally:
         outputs.close()
         clock.close()
+    simulated = running.simulated
     result = TrainResult(tuple(r.loss for r in records), tuple(r.iteration_time_s for r in records),
                          tuple(r.energy_j for r in records), batcher.tokens_per_step, source,
                          simulated.time_s if simulated else None, tuple(follower.log), config.out_dir,
-                         outputs.metrics_port)
+                         outputs.metrics_port, tuple(r.plan_revision for r in records),
+                         tuple(r.clock_control for r in records))
     return result, (model if keep_model else None)
+
+
+class _Running:
+    """The plan this rank follows now, and what depends on it."""
+
+    def __init__(self, config: TrainConfig, schedule: Schedule, plan, simulated) -> None:
+        self.config, self.schedule, self.plan, self.simulated = config, schedule, plan, simulated
+        self.revision = 0
+        self.digest: str | None = None  # rank 0 knows the starting plan file's
+        self.sms_in_use = schedule.comm_sms_in_use()
+
+    def record_fields(self) -> tuple:
+        """plan_revision, predicted time and energy, digest (as `StepRecord` orders them)."""
+        predicted = self.plan.predicted if self.plan is not None else None
+        return (self.revision, predicted.iteration_time_s if predicted else None,
+                predicted.iteration_energy_j if predicted else None, self.digest)
+
+    def switch(self, ctx: DistContext, step: int, plan, schedule: Schedule, digest: str, executor: StageExecutor,
+               outputs: _Outputs, comms: tuple[GroupComm, GroupComm], meter: MeasuredEnergy | None) -> None:
+        """Every rank, same step: follow `schedule` (already checked by every rank) from now on."""
+        old = self.plan.predicted if self.plan is not None else None
+        executor.switch(schedule.stages[ctx.pp_rank])
+        self._add_comm_groups(ctx, schedule, comms)
+        self.plan, self.schedule, self.revision, self.digest = plan, schedule, self.revision + 1, digest
+        self.simulated = None if meter else _simulated_energy(self.config, schedule)
+        outputs.switch(schedule, _plan_labels(plan))
+        if ctx.rank == 0:
+            was = f"{old.iteration_time_s:.6g} s, {old.iteration_energy_j:.6g} J" if old else "no plan"
+            log.info("plan revision %d (sha256 %s…, objective %s) takes effect at step %d: predicted iteration "
+                     "%.6g s, %.6g J (was %s)", self.revision, digest[:12], _plan_labels(plan)["objective"], step,
+                     plan.predicted.iteration_time_s, plan.predicted.iteration_energy_j, was)
+
+    def _add_comm_groups(self, ctx: DistContext, schedule: Schedule, comms: tuple[GroupComm, GroupComm]) -> None:
+        """CUDA: one communicator per SM count the new plan adds (every rank, same order)."""
+        new_sms = schedule.comm_sms_in_use() - self.sms_in_use
+        self.sms_in_use |= new_sms
+        if ctx.device.type != "cuda" or not new_sms:
+            return
+        tp, cp = comms
+        layout = self.config.layout
+        for comm, all_ranks, my_ranks in ((tp, layout.tp_groups(), ctx.tp_ranks), (cp, layout.cp_groups(), ctx.cp_ranks)):
+            if comm.size > 1:
+                comm.groups_by_sms.update(nccl_groups_by_sms(all_ranks, my_ranks, new_sms))
+
+
+def _rollout(ctx: DistContext, config: TrainConfig, executor: StageExecutor) -> PlanRollout:
+    """The per-step plan check: rank 0 watches the file; every rank builds and checks its stage."""
+
+    def build(plan) -> Schedule:
+        schedule = schedule_for_plan(plan, config, config.schedule_mode)
+        _check(config, schedule)
+        executor.check_instructions(schedule.stages[ctx.pp_rank])
+        return schedule
+
+    return PlanRollout(config.plan_path, config.plan_digest, build, rank=ctx.rank, distributed=ctx.distributed,
+                       device=ctx.device)
+
+
+def _plan_labels(plan) -> dict[str, str]:
+    """The `kareus_plan_info` labels of a plan."""
+    return {"method": plan.method, "objective": ",".join(sorted(plan.objective))}
 
 
 def _comms(ctx: DistContext, config: TrainConfig, schedule: Schedule, cuda: bool) -> tuple[GroupComm, GroupComm]:
@@ -263,18 +352,35 @@ def _sync_gradients(ctx: DistContext, model: StageModel) -> None:
         dist.all_reduce(model.param("embedding").grad, group=ctx.end_group)
 
 
-def _reduce_step(ctx: DistContext, local_loss: float, elapsed: float, gpu_j: float) -> tuple[float, float, float]:
-    """Whole-job loss (sum of last-stage contributions), time (max over ranks) and energy."""
+CLOCK_CONTROL = ("none", "active", "degraded")
+
+
+def _reduce_step(ctx: DistContext, local_loss: float, elapsed: float, gpu_j: float,
+                 clock: ClockClient) -> tuple[float, float, float, tuple[str, str]]:
+    """Whole-job loss (sum of last-stage contributions), time (max over ranks), energy, and clock
+    control (degraded if any rank is, with the lowest such rank's reason)."""
     counts_loss = ctx.tp_rank == 0
+    code = 2 if clock.degraded else 0 if isinstance(clock, NullClockClient) else 1
     if not ctx.distributed:
-        return local_loss, elapsed, gpu_j
+        return local_loss, elapsed, gpu_j, _clock_control(code, f"rank 0: {clock.degraded_reason}")
+    world = ctx.layout.world_size
     sums = torch.tensor([local_loss if counts_loss else 0.0, gpu_j], dtype=torch.float64)
-    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    # MAX over ranks: the slowest time, the worst clock-control state, the lowest degraded rank
+    worst = torch.tensor([elapsed, code, world - ctx.rank if code == 2 else 0], dtype=torch.float64)
     if ctx.device.type == "cuda":
-        sums, slowest = sums.to(ctx.device), slowest.to(ctx.device)
+        sums, worst = sums.to(ctx.device), worst.to(ctx.device)
     dist.all_reduce(sums)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(sums[0]), float(slowest[0]), float(sums[1])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    code, reason = int(worst[1]), ""
+    if code == 2:
+        src = world - int(worst[2])
+        mine = clock.degraded_reason.encode() if ctx.rank == src else None
+        reason = f"rank {src}: " + (broadcast_bytes(mine, src, ctx.device).decode(errors="replace") or "no reason given")
+    return float(sums[0]), float(worst[0]), float(sums[1]), _clock_control(code, reason)
+
+
+def _clock_control(code: int, reason: str) -> tuple[str, str]:
+    return (CLOCK_CONTROL[code], reason if code == 2 else "")
 
 
 class _Outputs:
@@ -289,9 +395,14 @@ class _Outputs:
             self.exporter = MetricsExporter(port, addr=config.metrics_addr, rank=ctx.rank, stage=ctx.pp_rank,
                                             job=config.job_name, plan=plan)
         self.metrics_port = self.exporter.port if self.exporter else None
-        clocks = [i.clock_mhz for stage in schedule.stages for i in stage if i.clock_mhz]
-        self.clock_summary = ({"min": float(min(clocks)), "max": float(max(clocks)),
-                               "mean": sum(clocks) / len(clocks)} if clocks else {})
+        self.clock_summary = _clock_summary(schedule)
+        self._mode_labels = {k: v for k, v in config.plan_labels.items() if k not in ("method", "objective")}
+
+    def switch(self, schedule: Schedule, plan_labels: dict[str, str]) -> None:
+        """A new plan: its clock summary, and its labels on `kareus_plan_info`."""
+        self.clock_summary = _clock_summary(schedule)
+        if self.exporter:
+            self.exporter.set_plan({"mode": _mode_summary(schedule), **self._mode_labels, **plan_labels})
 
     def write(self, record: StepRecord, gpu_energy_j: float) -> None:
         if self.writer:
@@ -304,6 +415,12 @@ class _Outputs:
             self.writer.close()
         if self.exporter:
             self.exporter.close()
+
+
+def _clock_summary(schedule: Schedule) -> dict[str, float]:
+    clocks = [i.clock_mhz for stage in schedule.stages for i in stage if i.clock_mhz]
+    return ({"min": float(min(clocks)), "max": float(max(clocks)), "mean": sum(clocks) / len(clocks)}
+            if clocks else {})
 
 
 def _mode_summary(schedule: Schedule) -> str:
@@ -325,13 +442,13 @@ def train(job, plan=None, *, schedule_mode: str = "plan", nproc: int | None = No
     all of them), several nodes through NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT as the training
     pods set them.
     """
-    config = TrainConfig.from_job(job, **overrides)
+    config = TrainConfig.from_job(job, schedule_mode=schedule_mode, **overrides)
     schedule = build_schedule(job, plan, config, schedule_mode)
     world = config.layout.world_size
     if "WORLD_SIZE" in os.environ or (world == 1 and nproc in (None, 1)):
         ctx = init_distributed(config.layout, device=config.device)
         try:
-            result, _ = run_rank(ctx, config, schedule, clock=clock)
+            result, _ = run_rank(ctx, config, schedule, clock=clock, plan=plan)
         finally:
             shutdown()
         return result
@@ -342,7 +459,7 @@ def train(job, plan=None, *, schedule_mode: str = "plan", nproc: int | None = No
                           f"but tensor×context×pipeline×data = {world}")
     with tempfile.TemporaryDirectory(prefix="kareus-train-") as tmp:
         device = _spawn_device(config.device, per_node)
-        spawn_local(per_node, _spawned_rank, replace(config, device=device), schedule, tmp, nodes=nodes)
+        spawn_local(per_node, _spawned_rank, replace(config, device=device), schedule, plan, tmp, nodes=nodes)
         return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
 
 
@@ -359,14 +476,17 @@ def _spawn_device(device: str, world: int) -> str:
 def build_schedule(job, plan, config: TrainConfig, schedule_mode: str = "plan") -> Schedule:
     if schedule_mode not in ("plan", "sequential"):
         raise KareusError(f"--schedule must be 'plan' or 'sequential', got {schedule_mode!r}")
-    spec = getattr(job, "spec", job)
     if plan is not None:
-        _check_plan_matches(plan, config)
-        schedule = Schedule.from_plan(plan)
-    else:
-        nanobatching = getattr(spec.parallelism, "nanobatching", True)
-        schedule = Schedule.uniform(config.pp, config.num_microbatches,
-                                    mode="partitioned" if nanobatching else "sequential")
+        return schedule_for_plan(plan, config, schedule_mode)
+    nanobatching = getattr(getattr(job, "spec", job).parallelism, "nanobatching", True)
+    schedule = Schedule.uniform(config.pp, config.num_microbatches, mode="partitioned" if nanobatching else "sequential")
+    return schedule.as_sequential() if schedule_mode == "sequential" else schedule
+
+
+def schedule_for_plan(plan, config: TrainConfig, schedule_mode: str = "plan") -> Schedule:
+    """The schedule of `plan`, which must be made for this job's layout."""
+    _check_plan_matches(plan, config)
+    schedule = Schedule.from_plan(plan)
     return schedule.as_sequential() if schedule_mode == "sequential" else schedule
 
 
@@ -382,8 +502,20 @@ def _check_plan_matches(plan, config: TrainConfig) -> None:
         raise KareusError(f"the plan was made for another layout ({diffs})")
 
 
-def _spawned_rank(rank: int, store, config: TrainConfig, schedule: Schedule, result_dir: str) -> None:
+def log_to_stderr() -> None:
+    """Show the runtime's info lines (plan roll-outs) on stderr, unless logging is set up already."""
+    logger = logging.getLogger("kareus")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("kareus: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def _spawned_rank(rank: int, store, config: TrainConfig, schedule: Schedule, plan, result_dir: str) -> None:
+    log_to_stderr()
     ctx = init_distributed(config.layout, rank=rank, store=store, device=config.device)
-    result, _ = run_rank(ctx, config, schedule)
+    result, _ = run_rank(ctx, config, schedule, plan=plan)
     if int(os.environ["LOCAL_RANK"]) == 0:  # the node's first process reports (losses are global)
         (Path(result_dir) / "result.pkl").write_bytes(pickle.dumps(result))
