@@ -15,13 +15,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from kareus.cli.sim_sweep import add_workload_arguments, print_table, workload_from
 from kareus.errors import KareusError
 from kareus.optimizer.mbo.algorithms import PRESETS, get_algorithm, minimize
 from kareus.optimizer.mbo.problem import Candidate, Problem, SearchSpace
 from kareus.sim import Measurement, Simulator, get_gpu
 from kareus.sim.sweep import default_clocks, point
-from kareus.workload.models import get_preset
-from kareus.workload.partitions import build_workload
 
 ALGORITHMS = (*sorted(PRESETS), "exhaustive")
 
@@ -30,14 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "mbo", help="search a partition type's configurations with MBO on the simulated GPU",
         description="Multi-pass multi-objective Bayesian optimisation of one partition type, simulated.")
-    parser.add_argument("--gpu", default="A100-SXM4-40GB", help="GPU product (default A100-SXM4-40GB)")
-    parser.add_argument("--model", required=True, help="model preset, e.g. llama3.2-3b")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism (default 1)")
-    parser.add_argument("--cp", type=int, default=1, help="context parallelism (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline parallelism (default 1)")
-    parser.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
-    parser.add_argument("--mbs", type=int, required=True, help="microbatch size (even, >= 2)")
-    parser.add_argument("--partition", required=True, help="partition type, e.g. fwd_attn")
+    add_workload_arguments(parser, "partition type, e.g. fwd_attn")
     parser.add_argument("--preset", choices=ALGORITHMS, default="default", help="search preset (default: default)")
     parser.add_argument("--seed", type=int, default=0, help="search and noise seed (default 0)")
     parser.add_argument("--noise", type=float, default=0.0, help="relative measurement noise (default 0)")
@@ -50,8 +42,7 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     if args.noise < 0:
         raise KareusError(f"--noise: must be >= 0, got {args.noise}")
     gpu = get_gpu(args.gpu)
-    workload = build_workload(get_preset(args.model), tp=args.tp, cp=args.cp, pp=args.pp, seq_len=args.seq,
-                              micro_batch_size=args.mbs)
+    workload = workload_from(args)
     if args.partition not in workload.partition_types:
         known = ", ".join(workload.partition_types) or "none (TP1 and CP1 have no communication)"
         raise KareusError(f"--partition: {args.partition!r} is not a partition type of this job; allowed: {known}")
@@ -88,8 +79,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(output, indent=1))
         return 0
-    from kareus.cli.sim_sweep import _print_table  # the sweep's table, so both commands look alike
-
-    _print_table(output["frontier"], f"{output['partition']} frontier ({args.preset}): "
+    print_table(output["frontier"], f"{output['partition']} frontier ({args.preset}): "
                                      f"{output['evaluations']} of {output['grid_size']} configurations measured")
     return 0

@@ -21,22 +21,14 @@ from kareus.errors import KareusError
 from kareus.sim import Simulator, get_gpu
 from kareus.sim.sweep import default_clocks, parse_range, sweep
 from kareus.workload.models import get_preset
-from kareus.workload.partitions import build_workload
+from kareus.workload.partitions import Workload, build_workload
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "sweep", help="measure a partition's configurations on the simulated GPU",
         description="Sweep clock × comm SMs × launch slot of one partition type on the simulator.")
-    parser.add_argument("--gpu", default="A100-SXM4-40GB", help="GPU product (default A100-SXM4-40GB)")
-    parser.add_argument("--model", required=True, help="model preset, e.g. llama3.2-3b")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism (default 1)")
-    parser.add_argument("--cp", type=int, default=1, help="context parallelism (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline parallelism (default 1)")
-    parser.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
-    parser.add_argument("--mbs", type=int, required=True, help="microbatch size (even, >= 2)")
-    parser.add_argument("--partition", required=True,
-                        help="partition type (fwd_attn, …), sequential:TYPE or sequential:layer")
+    add_workload_arguments(parser, "partition type (fwd_attn, …), sequential:TYPE or sequential:layer")
     parser.add_argument("--clocks", help="SM clocks start:stop[:step] in MHz (default: the paper's grid)")
     parser.add_argument("--sms", help="comm SM counts start:stop[:step] (default: the type's grid)")
     parser.add_argument("--slots", nargs="+", default=["all"], help="launch slot names, or all (default)")
@@ -46,10 +38,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser, partition_help: str) -> None:
+    """The flags naming a GPU, a model layout and one partition type (shared by `sim sweep`/`sim mbo`)."""
+    parser.add_argument("--gpu", default="A100-SXM4-40GB", help="GPU product (default A100-SXM4-40GB)")
+    parser.add_argument("--model", required=True, help="model preset, e.g. llama3.2-3b")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism (default 1)")
+    parser.add_argument("--cp", type=int, default=1, help="context parallelism (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallelism (default 1)")
+    parser.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
+    parser.add_argument("--mbs", type=int, required=True, help="microbatch size (even, >= 2)")
+    parser.add_argument("--partition", required=True, help=partition_help)
+
+
+def workload_from(args: argparse.Namespace) -> Workload:
+    """The workload the `add_workload_arguments` flags describe."""
+    return build_workload(get_preset(args.model), tp=args.tp, cp=args.cp, pp=args.pp, seq_len=args.seq,
+                          micro_batch_size=args.mbs)
+
+
 def run(args: argparse.Namespace) -> int:
     gpu = get_gpu(args.gpu)
-    workload = build_workload(get_preset(args.model), tp=args.tp, cp=args.cp, pp=args.pp, seq_len=args.seq,
-                              micro_batch_size=args.mbs)
+    workload = workload_from(args)
     if args.noise < 0:
         raise KareusError(f"--noise must be >= 0, got {args.noise}")
     clocks = parse_range(args.clocks, "--clocks") if args.clocks else default_clocks(gpu)
@@ -59,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(points, indent=1))
     else:
-        _print_table(points, f"{args.partition} on {gpu.name}: {args.model} TP{args.tp} CP{args.cp} "
+        print_table(points, f"{args.partition} on {gpu.name}: {args.model} TP{args.tp} CP{args.cp} "
                              f"seq {args.seq} mbs {args.mbs}")
     return 0
 
 
-def _print_table(points: list[dict[str, Any]], title: str) -> None:
+def print_table(points: list[dict[str, Any]], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
