@@ -83,7 +83,14 @@ def _usage(parser: argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
+    return dispatch(build_parser(argv), argv)
+
+
+def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, prog: str = "kareus") -> int:
+    """Parse `argv` and run the chosen command; user errors end as one line on stderr.
+
+    Shared by every Kareus console script, so they all fail the same way.
+    """
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
@@ -91,10 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KareusError as error:
-        print(f"kareus: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
-        print("kareus: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

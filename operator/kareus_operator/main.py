@@ -16,8 +16,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kareus.errors import KareusError
-
 
 def _build_parser() -> argparse.ArgumentParser:
     from kareus_operator import publish
@@ -84,18 +82,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help(sys.stderr)
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except KareusError as error:
-        print(f"kareus-operator: error: {error}", file=sys.stderr)
-        return error.exit_code
-    except KeyboardInterrupt:
-        return 130
+    from kareus.cli import dispatch
+
+    return dispatch(_build_parser(), argv, prog="kareus-operator")
 
 
 if __name__ == "__main__":
