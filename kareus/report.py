@@ -174,7 +174,7 @@ def render_report(*, title: str, summary: Mapping, plan: Plan, frontier_png: byt
     """
     metric_keys = ("max_throughput_time_reduction", "max_throughput_energy_reduction",
                    "iso_time_energy_reduction", "iso_energy_time_reduction")
-    method_rows = [(m.get("label", name), f"{m['time_s']:.4f}", f"{m['energy_j'] / 1e3:.3f}",
+    method_rows = [(m.get("label", name), f"{m['time_s']:.4g}", f"{m['energy_j'] / 1e3:.4g}",
                     *(_percent(m.get(key)) for key in metric_keys))
                    for name, m in summary.get("methods", {}).items()]
     plan_rows = [(k, _fmt(v)) for k, v in summary.get("plan", {}).items()]

@@ -86,6 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return dispatch(build_parser(argv), argv)
 
 
+def stdout_console():
+    """A rich console for tables on stdout; off a terminal (pipes, CI logs) rich would squeeze
+    them into 80 columns and cut method names, so it gets a wide fixed width there."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 140)
+
+
 def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, prog: str = "kareus") -> int:
     """Parse `argv` and run the chosen command; user errors end as one line on stderr.
 

@@ -18,6 +18,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from kareus.cli import stdout_console
 from kareus.errors import KareusError
 from kareus.optimizer.baselines import LABELS, Comparison, compare_methods
 from kareus.optimizer.frontier import FrontierSettings
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(comparison.to_dict(), sys.stdout, indent=1)
         print()
     else:
-        print_comparison(comparison, Console())
+        print_comparison(comparison, stdout_console())
     return 0
 
 
@@ -101,7 +102,7 @@ def print_comparison(comparison: Comparison, console: Console) -> None:
     for name, result in comparison.methods.items():
         t, e = min(result.points)
         row = metrics.get(name, {})
-        table.add_row(LABELS[name], f"{t:.4f}", f"{e / 1e3:.3f}",
+        table.add_row(LABELS[name], f"{t:.4g}", f"{e / 1e3:.4g}",
                       _percent(row.get("max_throughput_time_reduction")),
                       _percent(row.get("max_throughput_energy_reduction")),
                       _percent(row.get("iso_time_energy_reduction")),

@@ -12,6 +12,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from kareus.cli import stdout_console
 from kareus.errors import KareusError
 from kareus.optimizer.objective import parse_objective
 from kareus.plan import Instruction, Plan
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     if args.stage is not None and not 0 <= args.stage < len(plan.stages):
         raise KareusError(f"--stage: must be in 0..{len(plan.stages) - 1}, got {args.stage}")
-    console = Console()
+    console = stdout_console()
     print_summary(plan, console)
     for stage in plan.stages:
         if args.stage is None or stage.stage == args.stage:

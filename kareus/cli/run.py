@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kareus.cli import stdout_console
 from kareus.errors import KareusError
 
 BACKENDS = ("auto", "sim", "nvml")
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     job = load_job(args.job)
     out = _output_dir(args.out)
     backend = resolve_backend(args.backend)
-    console = Console()
+    console = stdout_console()
     console.print(f"[bold]kareus run[/bold] {job.name}: {job.spec.model_shape().name} on "
                   f"{'NVML GPUs' if backend == 'nvml' else 'simulated ' + job.spec.gpu_product} → {out}")
     with _progress(console) as bar:
@@ -250,7 +251,7 @@ def print_summary(summary: dict, console: Console) -> None:
     for header in ("method", "time (s)", "energy (kJ)", *METRIC_LABELS.values()):
         table.add_column(header, justify="left" if header == "method" else "right")
     for m in summary["methods"].values():
-        table.add_row(m["label"], f"{m['time_s']:.4f}", f"{m['energy_j'] / 1e3:.3f}",
+        table.add_row(m["label"], f"{m['time_s']:.4g}", f"{m['energy_j'] / 1e3:.4g}",
                       *(_percent(m.get(key)) for key in METRIC_LABELS))
     console.print(table)
     console.print("Megatron = Megatron-LM at max clock; iso-time/iso-energy against Megatron+Perseus; "

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
+from kareus.cli import stdout_console
 from kareus.errors import KareusError
 from kareus.sim import Simulator, get_gpu
 from kareus.sim.sweep import default_clocks, parse_range, sweep
@@ -74,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_table(points: list[dict[str, Any]], title: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
@@ -90,7 +89,7 @@ def print_table(points: list[dict[str, Any]], title: str) -> None:
                       f"{row['exposed_comm_s'] * 1e3:.3f}", f"{row['avg_clock_mhz']:.0f}", f"{row['avg_power_w']:.0f}",
                       style=style)
     # Off a terminal (pipes, CI logs) rich would squeeze the table into 80 columns.
-    Console(width=None if sys.stdout.isatty() else 140).print(table)
+    stdout_console().print(table)
     if best is not None:
         print(f"least energy: {best['energy_j']:.4f} J at {best['clock_mhz']} MHz, "
               f"comm_sms={best['comm_sms']}, launch_slot={best['launch_slot']}")
