@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import urllib.request
 
@@ -128,6 +129,8 @@ def test_cli_train_spawns_tp2_and_follows_a_plan_file(tmp_path, capsys):
     assert summary["steps"] == 2 and summary["energy_source"] == "simulated"
     lines = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and lines[1]["loss"] == pytest.approx(summary["final_loss"])
+    digest = hashlib.sha256(plan_path.read_bytes()).hexdigest()
+    assert [(r["plan_revision"], r["plan_sha256"], r["clock_control"]) for r in lines] == [(0, digest, "none")] * 2
 
 
 @pytest.mark.parametrize("args,message", [
