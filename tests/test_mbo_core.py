@@ -195,3 +195,27 @@ def test_default_preset_does_not_stop_before_a_tenth_of_the_grid():
     problem = Problem("flat", space, lambda cs: [(1.0, 100.0) for _ in cs], 85.0, "large")
     result = minimize(problem, get_algorithm("default"), seed=0)
     assert 0.1 * space.size <= result.evaluations < 0.2 * space.size
+
+
+def test_transfer_share_follows_the_configuration_coverage():
+    from kareus.optimizer.mbo.acquisition import adapt_transfer, configuration_coverage
+
+    space = SearchSpace((1410, 1200), (3, 6, 9, 12), ("a", "b"))  # 8 configurations per clock
+    assert configuration_coverage(space, np.array([0, 1, 8, 9])) == 0.25  # the same two at both clocks
+    fractions = {"transfer": 0.6, "total": 0.2, "uncertainty": 0.2}
+    assert adapt_transfer(fractions, 0.3, 0.8) == fractions  # few seen: the exploring passes keep theirs
+    raised = adapt_transfer(fractions, 1.0, 0.8)
+    assert raised["transfer"] == 0.8 and raised["total"] == pytest.approx(0.1) == raised["uncertainty"]
+    assert sum(adapt_transfer(fractions, 0.7, 0.8).values()) == pytest.approx(1.0)
+    assert adapt_transfer(fractions, 1.0, 0.0) == fractions  # paper-style settings: fixed shares
+
+
+def test_default_preset_on_a_single_slot_grid_carries_the_winners_to_every_clock():
+    # 18 clocks x 10 SM counts x 1 slot: 20 % is 36 points, two per clock. Every configuration is
+    # seen in the initial design, so transfer takes most of each batch (a fixed 60 % reached 0.985).
+    problem = overlap_problem(clocks_mhz=tuple(range(900, 1411, 30)), slots=("norm_0",))
+    exhaustive = minimize(problem, Exhaustive())
+    result = minimize(problem, get_algorithm("default"), seed=0)
+    assert result.evaluations <= 36
+    assert _hv_ratio(result, exhaustive, problem.p_static_w) >= 0.995
+    assert sum(e.source == "transfer" for e in result.measured) >= 0.7 * (result.evaluations - 18)

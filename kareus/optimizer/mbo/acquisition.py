@@ -71,6 +71,30 @@ def batch_sizes(batch_size: int, fractions: Mapping[str, float]) -> dict[str, in
     return quotas
 
 
+def configuration_coverage(space: SearchSpace, measured: np.ndarray) -> float:
+    """Share of the configurations (comm SMs, launch slot) measured at one clock or more."""
+    _, sms_i, slot_i = space.axes
+    config = sms_i[measured] * len(space.launch_slots) + slot_i[measured]
+    return len(np.unique(config)) / (len(space.comm_sms) * len(space.launch_slots))
+
+
+def adapt_transfer(fractions: Mapping[str, float], coverage: float, transfer_max: float) -> dict[str, float]:
+    """Pass shares with the transfer share raised to the configuration coverage, up to `transfer_max`.
+
+    Transfer can only carry configurations that were measured somewhere, and the surrogates rank
+    an unseen configuration only by extrapolation: while many configurations are unseen the
+    exploring passes keep their share; once (nearly) every configuration has been measured at some
+    clock, what is left to learn is which of them win at the clocks where they were not measured,
+    and that is the transfer pass's job. The other passes keep their proportions.
+    """
+    base = fractions.get("transfer", 0.0)
+    if base <= 0 or transfer_max <= base:
+        return dict(fractions)
+    share = min(transfer_max, max(base, coverage))
+    rest = (1 - share) / (1 - base) if base < 1 else 0.0
+    return {name: share if name == "transfer" else value * rest for name, value in fractions.items()}
+
+
 def fill_batch(rankings: Mapping[str, np.ndarray], quotas: Mapping[str, int]) -> list[tuple[int, str]]:
     """Take each pass's quota from its ranking in order, skipping points already chosen.
 

@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kareus.errors import KareusError
-from kareus.optimizer.mbo.acquisition import Planes, batch_sizes, fill_batch, rank_passes
+from kareus.optimizer.mbo.acquisition import (
+    Planes,
+    adapt_transfer,
+    batch_sizes,
+    configuration_coverage,
+    fill_batch,
+    rank_passes,
+)
 from kareus.optimizer.mbo.designs import random_design, stratified_design
 from kareus.optimizer.mbo.indicators import Normaliser, hypervolume, pareto_mask
 from kareus.optimizer.mbo.problem import Evaluated, Problem, SearchResult, Step
@@ -182,6 +189,7 @@ class MBOSettings:
     stop_epsilon: float = 1e-3
     stop_after_fraction: float = 0.0  # the stopping rule applies once this share of the grid is measured
     max_grid_fraction: float = 1.0
+    transfer_max: float = 0.0  # > the transfer share: raise it to the configuration coverage up to this
 
 
 def _paper_budget(problem: Problem) -> Budget:
@@ -244,7 +252,8 @@ class MultiPassMBO(Algorithm):
                 members=settings.ensemble_members, fraction=settings.ensemble_fraction, seed=seed)
         planes = Planes(time_s, effective_j, prediction.time_s, prediction.effective_energy_j, problem.p_static_w)
         transfer = (space, measured, remaining) if settings.fractions.get("transfer", 0) > 0 else None
-        chosen = fill_batch(rank_passes(planes, uncertainty, transfer), batch_sizes(size, settings.fractions))
+        fractions = adapt_transfer(settings.fractions, configuration_coverage(space, measured), settings.transfer_max)
+        chosen = fill_batch(rank_passes(planes, uncertainty, transfer), batch_sizes(size, fractions))
         return remaining[[position for position, _ in chosen]], [source for _, source in chosen]
 
 
@@ -257,6 +266,7 @@ PRESETS: dict[str, MBOSettings] = {
         fractions={"transfer": 0.6, "total": 0.15, "effective": 0.1, "static": 0.05, "uncertainty": 0.1},
         trees=TreeSettings(max_depth=4, eta=0.3, rounds=40, monotone_clock=True),
         max_grid_fraction=0.2,
+        transfer_max=0.8,
         stop_window=3,  # batches are small: average the gain over more of them
         stop_after_fraction=0.1,
     ),
