@@ -119,3 +119,43 @@ def test_dev_cluster_cli_rejects_bad_arguments(tmp_path, capsys, args, message):
 
     assert main(["dev-cluster", "--kubeconfig", str(tmp_path / "kc"), *args]) == 1
     assert message in capsys.readouterr().err
+
+
+async def test_gpus_are_handed_out_whole_and_never_shared(tmp_path):
+    from kareus_operator.devcluster.cluster import NODE_GPUS, node_gpu_uuids
+
+    async with DevCluster(tmp_path, operator=False, node_daemon=False) as cluster, \
+            Kube(load_kubeconfig(cluster.kubeconfig)) as kube:
+        # Each pod holds its GPUs until a file appears, so all three overlap in time.
+        release = tmp_path / "release"
+        program = ("import os, pathlib, sys, time\n"
+                   "print(os.environ.get('NVIDIA_VISIBLE_DEVICES', ''), flush=True)\n"
+                   "while not pathlib.Path(sys.argv[1]).exists(): time.sleep(0.05)\n")
+        for name, gpus in (("a", 3), ("b", 3), ("c", 3)):
+            await kube.create(path("v1", "pods", "default"), pod(
+                name, [PY, "-c", program, str(release)],
+                container={"resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}))
+        await kube.create(path("v1", "pods", "default"), pod(
+            "greedy", [PY, "-c", "pass"], container={"resources": {"limits": {"nvidia.com/gpu": str(NODE_GPUS + 1)}}}))
+        refused = await wait_phase(kube, "greedy", ("Succeeded", "Failed"))
+        assert refused["status"]["phase"] == "Failed" and "nvidia.com/gpu" in refused["status"]["message"]
+
+        await wait_phase(kube, "a", ("Running",))
+        await wait_phase(kube, "b", ("Running",))
+        deadline = time.monotonic() + 20
+        logs: dict[str, str] = {}
+        while time.monotonic() < deadline and len(logs) < 2:
+            for name in ("a", "b"):
+                text = await kube.request("GET", path("v1", "pods", "default", name, "log"))
+                if text and text.strip():
+                    logs[name] = text.strip()
+            await asyncio.sleep(0.1)
+        held = [set(logs[name].split(",")) for name in ("a", "b")]
+        assert all(len(h) == 3 for h in held) and not held[0] & held[1]
+        assert held[0] | held[1] <= set(node_gpu_uuids())
+        # 8 GPUs: the third pod waits for GPUs (Pending), as on a real node, until one finishes.
+        waiting = await kube.get(path("v1", "pods", "default", "c"))
+        assert (waiting.get("status") or {}).get("phase", "Pending") == "Pending"
+        release.touch()
+        done = await wait_phase(kube, "c", ("Succeeded", "Failed"))
+        assert done["status"]["phase"] == "Succeeded"

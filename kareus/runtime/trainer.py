@@ -297,7 +297,8 @@ def _check(config: TrainConfig, schedule: Schedule) -> None:
 
 def _my_gpus(socket_path: str | None, meter: MeasuredEnergy | None) -> list[str] | None:
     """The GPU whose clock this rank controls: its CUDA device; on a CPU run (simulated GPUs behind
-    the daemon) the daemon's controllable GPU number LOCAL_RANK, so ranks never fight over a clock."""
+    the daemon) controllable GPU number LOCAL_RANK among the pod's own (NVIDIA_VISIBLE_DEVICES, when
+    it names UUIDs), so ranks — and pods sharing a node — never fight over a clock."""
     if meter is not None:
         return [meter.uuid]
     if not socket_path:
@@ -307,6 +308,10 @@ def _my_gpus(socket_path: str | None, meter: MeasuredEnergy | None) -> list[str]
             controllable = [gpu.uuid for gpu in daemon.discover() if gpu.controllable]
     except DaemonError:
         return None  # `connect` reports the same problem and degrades to no clock control
+    # The device plugin names the pod's GPUs; on a shared node the daemon lists every GPU.
+    visible = [u for u in os.environ.get("NVIDIA_VISIBLE_DEVICES", "").split(",") if u.startswith("GPU-")]
+    if visible:
+        controllable = [uuid for uuid in visible if uuid in controllable]
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return [controllable[local_rank % len(controllable)]] if controllable else None
 

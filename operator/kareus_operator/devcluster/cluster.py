@@ -33,6 +33,9 @@ from kareus.errors import KareusError
 from kareus_operator.devcluster.emulator import CRD_RESOURCE, NAMESPACES, ApiEmulator
 from kareus_operator.devcluster.podrunner import NODE_NAME, PodRunner
 
+NODE_GPUS = 8  # the dev cluster's one node: 8 simulated A100s behind its node daemon
+NODE_GPU_PRODUCT = "A100-SXM4-40GB"
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CRD = REPO_ROOT / "crds" / "kareusjob.yaml"
 NODES = kmock.resource("", "v1", "nodes")
@@ -205,7 +208,9 @@ class DevCluster:
             await self.api.create(NAMESPACES, None, {"metadata": {"name": namespace}})
         await self.api.create(NODES, None, {"metadata": {"name": NODE_NAME, "labels": {
             "kubernetes.io/hostname": NODE_NAME, "nvidia.com/gpu.present": "true",
-            "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}}})
+            "nvidia.com/gpu.product": f"NVIDIA-{NODE_GPU_PRODUCT}"}},
+            "status": {"capacity": {"nvidia.com/gpu": str(NODE_GPUS)},
+                       "allocatable": {"nvidia.com/gpu": str(NODE_GPUS)}}})
         if self.crd_path is not None:
             if not self.crd_path.exists():
                 raise KareusError(f"CRD file {self.crd_path} not found; pass --crd PATH (crds/kareusjob.yaml)")
@@ -214,7 +219,8 @@ class DevCluster:
                     await self.api.create(CRD_RESOURCE, None, doc)
         write_kubeconfig(self.kubeconfig, self.url, self.token, self.ca_file)
         self.runner = PodRunner(self.api, self.workdir / "node", api_url=self.url, host_root=self.host_root,
-                                extra_env=self.pod_env, pod_slots=self.pod_slots, ca_file=self.ca_file)
+                                extra_env=self.pod_env, pod_slots=self.pod_slots, ca_file=self.ca_file,
+                                gpu_uuids=node_gpu_uuids())
         await self.runner.start()
         if self.want_node_daemon:
             self.node_process = self._start_node_daemon()
@@ -245,7 +251,8 @@ class DevCluster:
         socket_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.workdir / "node-daemon.log", "ab")  # noqa: SIM115
         process = subprocess.Popen(
-            [exe, "--backend", "sim", "--sim-gpus", "8", "--standalone", "--socket", str(socket_dir / "node.sock"),
+            [exe, "--backend", "sim", "--sim-gpus", str(NODE_GPUS), "--sim-product", NODE_GPU_PRODUCT,
+             "--standalone", "--socket", str(socket_dir / "node.sock"),
              "--state-dir", str(self.workdir / "node" / "state"), "--node-name", NODE_NAME,
              "--metrics-address", "127.0.0.1", "--metrics-port", "0"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -263,6 +270,13 @@ class DevCluster:
             self.server = None
         if self.api.active:
             await self.api.__aexit__(None, None, None)
+
+
+def node_gpu_uuids() -> list[str]:
+    """UUIDs of the node daemon's simulated GPUs (deterministic per node, model and index)."""
+    from kareus.gpu import discover
+
+    return [gpu.uuid for gpu in discover("sim", count=NODE_GPUS, product=NODE_GPU_PRODUCT, node=NODE_NAME)]
 
 
 def _kill_all(processes: Sequence[subprocess.Popen | None], grace_s: float = 5.0) -> None:

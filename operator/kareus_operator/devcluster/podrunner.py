@@ -24,7 +24,7 @@ import re
 import shutil
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ class RunningPod:
     task: asyncio.Task | None = None
     configmaps: dict[str, Path] = field(default_factory=dict)  # ConfigMap name -> directory
     host_paths: dict[str, Path] = field(default_factory=dict)  # volume name -> host directory
+    gpus: list[str] = field(default_factory=list)  # UUIDs of the node's GPUs allocated to the pod
 
 
 class PodRunner:
@@ -60,7 +61,7 @@ class PodRunner:
 
     def __init__(self, api: ApiEmulator, root: Path, *, api_url: str, host_root: Path | None = None,
                  extra_env: Mapping[str, str] | None = None, pod_slots: int | None = None,
-                 ca_file: Path | None = None) -> None:
+                 ca_file: Path | None = None, gpu_uuids: Sequence[str] = ()) -> None:
         self.api, self.root, self.api_url = api, Path(root), api_url
         self.host_root = Path(host_root) if host_root else self.root / "host"
         self.extra_env = dict(extra_env or {})
@@ -71,6 +72,11 @@ class PodRunner:
         self._finished_logs: dict[tuple[str, str], Path] = {}
         # The node's capacity: pods beyond it wait in Pending, as on a full node.
         self._slots = asyncio.Semaphore(pod_slots) if pod_slots else None
+        # The node's GPUs, handed out whole to pods that request `nvidia.com/gpu`, as the NVIDIA
+        # device plugin does; a pod sees its own in NVIDIA_VISIBLE_DEVICES.
+        self.gpu_uuids = tuple(gpu_uuids)
+        self._free_gpus = list(self.gpu_uuids)
+        self._gpus_freed = asyncio.Condition()
         api.log_reader = self.read_log
 
     async def start(self) -> None:
@@ -115,11 +121,36 @@ class PodRunner:
     # ------------------------------------------------------------------ one pod
 
     async def _run(self, pod: RunningPod, body: dict[str, Any]) -> None:
-        if self._slots is None:
-            await self._run_admitted(pod, body)
+        wanted = _gpu_request(body)
+        if wanted > len(self.gpu_uuids):
+            with contextlib.suppress(ApiError):
+                await self._set_status(pod, {"phase": "Failed", "reason": "OutOfnvidia.com/gpu", "message": (
+                    f"pod requests {wanted} nvidia.com/gpu; the node has {len(self.gpu_uuids)}")})
             return
-        async with self._slots:
-            await self._run_admitted(pod, body)
+        try:
+            if wanted:
+                await self._allocate_gpus(pod, wanted)
+            if self._slots is None:
+                await self._run_admitted(pod, body)
+                return
+            async with self._slots:
+                await self._run_admitted(pod, body)
+        finally:
+            await self._release_gpus(pod)
+
+    async def _allocate_gpus(self, pod: RunningPod, wanted: int) -> None:
+        """Wait (Pending) until `wanted` GPUs are free, then give them to the pod."""
+        async with self._gpus_freed:
+            await self._gpus_freed.wait_for(lambda: len(self._free_gpus) >= wanted)
+            pod.gpus, self._free_gpus = self._free_gpus[:wanted], self._free_gpus[wanted:]
+
+    async def _release_gpus(self, pod: RunningPod) -> None:
+        if not pod.gpus:
+            return
+        async with self._gpus_freed:
+            self._free_gpus += pod.gpus
+            pod.gpus = []
+            self._gpus_freed.notify_all()
 
     async def _run_admitted(self, pod: RunningPod, body: dict[str, Any]) -> None:
         try:
@@ -199,6 +230,8 @@ class PodRunner:
             "KAREUS_API_URL": self.api_url, "KAREUS_SERVICEACCOUNT_DIR": str(pod.sandbox / "serviceaccount"),
             "HOSTNAME": body.get("spec", {}).get("hostname") or pod.name, "OMP_NUM_THREADS": "1",
         })
+        if pod.gpus:
+            env["NVIDIA_VISIBLE_DEVICES"] = ",".join(pod.gpus)
         env.update(self.extra_env)
         return env
 
@@ -283,6 +316,12 @@ class PodRunner:
             return "".join(p.read_text(errors="replace") for p in logs) if logs else None
         path = self._finished_logs.get((namespace, name))
         return path.read_text(errors="replace") if path and path.exists() else None
+
+
+def _gpu_request(body: Mapping[str, Any]) -> int:
+    """Whole GPUs the pod asks for: the sum of its containers' `nvidia.com/gpu` limits."""
+    containers = body.get("spec", {}).get("containers", []) or []
+    return sum(int((c.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu", 0)) for c in containers)
 
 
 def _translate(value: str, mounts: list[tuple[str, str]]) -> str:
