@@ -191,8 +191,8 @@ class BlockContext:
     output: Tensor | None = None
 
 
-class PartitionedBlock:
-    """Runs a stage's layers as partitions; see the module docstring."""
+class StageBlock:
+    """What both execution modes of a stage's layers share: parameters, groups, constants, ops."""
 
     def __init__(self, model: StageModel, tp: GroupComm, consts: Mapping[str, Tensor],
                  cp: GroupComm | None = None) -> None:
@@ -200,10 +200,18 @@ class PartitionedBlock:
         self.tp = tp
         self.cp = cp or GroupComm(None, 1)
         self.consts = consts
-        program = LayerProgram.llama(model.shape.qk_norm)
+        self.program = LayerProgram.llama(model.shape.qk_norm)
+
+
+class PartitionedBlock(StageBlock):
+    """Runs a stage's layers as partitions; see the module docstring."""
+
+    def __init__(self, model: StageModel, tp: GroupComm, consts: Mapping[str, Tensor],
+                 cp: GroupComm | None = None) -> None:
+        super().__init__(model, tp, consts, cp)
         layers = model.layout.layers
-        self.fwd_segments = forward_segments(program, layers, self.cp.size)
-        self.bwd_segments = backward_segments(program, layers, self.cp.size)
+        self.fwd_segments = forward_segments(self.program, layers, self.cp.size)
+        self.bwd_segments = backward_segments(self.program, layers, self.cp.size)
         self.fwd_partitions = partitions_of(self.fwd_segments)
         self.bwd_partitions = partitions_of(self.bwd_segments)
         # Set to a list to record the issue order: (event "comm"|"op", forward?, segment, nanobatch, op index).
@@ -344,16 +352,8 @@ class PartitionedBlock:
             self.trace.append(event)
 
 
-class SequentialBlock:
+class SequentialBlock(StageBlock):
     """Megatron-style execution of the whole microbatch with standard autograd (the reference)."""
-
-    def __init__(self, model: StageModel, tp: GroupComm, consts: Mapping[str, Tensor],
-                 cp: GroupComm | None = None) -> None:
-        self.model = model
-        self.tp = tp
-        self.cp = cp or GroupComm(None, 1)
-        self.consts = consts
-        self.program = LayerProgram.llama(model.shape.qk_norm)
 
     def forward(self, x: Tensor) -> Tensor:
         acts = {"main": x}
