@@ -136,3 +136,32 @@ def test_real_microbatch_frontiers_solve():
     table = iteration_frontier(options, 4, p_static_w=85.0, gpus_per_stage=8, settings=FrontierSettings(target_steps=80))
     assert table.rows[0].time_s < table.rows[-1].time_s
     assert any(o.mode == "partitioned" for o in table.options[0].forward)
+
+
+def test_plans_of_another_method_start_the_solve_and_are_never_beaten_by_it():
+    """A method whose options these dominate: each of its plans, mapped onto these options
+    instruction by instruction, is a candidate — the result is never dominated by its frontier."""
+    from kareus.optimizer.metrics import dominated_by
+
+    ours = _options(3)
+    # The other method: the same work 3 % slower and 2 % costlier at every clock.
+    theirs = tuple(StageOptions(*(tuple(InstructionOption(o.clock_mhz, o.mode, o.time_s * 1.03, o.energy_j * 1.05)
+                                        for o in table) for table in (st.forward, st.backward))) for st in ours)
+    other = iteration_frontier(theirs, 16, p_static_w=P_STATIC_W, gpus_per_stage=8,
+                               settings=FrontierSettings(target_steps=400))
+    # A deliberately coarse solve of our own, so the other method's plans have gaps to fill.
+    coarse = iteration_frontier(ours, 16, p_static_w=P_STATIC_W, gpus_per_stage=8,
+                                settings=FrontierSettings(target_steps=10, cost_model="convex"))
+    started = iteration_frontier(ours, 16, p_static_w=P_STATIC_W, gpus_per_stage=8,
+                                 settings=FrontierSettings(target_steps=10, cost_model="convex"), starts=[other])
+    def covers(points, reference) -> bool:  # every reference plan is matched or beaten by one of ours
+        return all(any(t <= rt * (1 + 1e-12) and e <= re * (1 + 1e-12) for t, e in points) for rt, re in reference)
+
+    assert not covers(coarse.points(), other.points())  # the coarse solve alone leaves gaps
+    assert covers(started.points(), other.points())
+    assert not dominated_by(started.points(), other.points())
+    for row in started.rows:  # every row is exact for its choices
+        assert row.energy_j == pytest.approx(_independent_energy(ours, row, 8), rel=1e-9)
+    with pytest.raises(ValueError):
+        iteration_frontier(ours, 16, p_static_w=P_STATIC_W, gpus_per_stage=8, starts=[
+            iteration_frontier(_options(2), 16, p_static_w=P_STATIC_W, gpus_per_stage=8)])

@@ -151,9 +151,10 @@ def _compare(job, profile, backend: str, bar: Progress):
         methods = tuple(m for m in METHODS if m in ("megatron", "megatron_perseus", "kareus"))
     task = bar.add_task("optimising", total=len(methods), info="")
     results = {}
-    for name in methods:
+    for name in methods:  # Kareus is last and starts from the baselines' plans
         bar.update(task, info=name)
-        results[name] = method_frontier(name, job, profile, simulator)
+        starts = [r.frontier for r in results.values()] if name == "kareus" else ()
+        results[name] = method_frontier(name, job, profile, simulator, starts=starts)
         bar.advance(task)
     bar.update(task, info=f"{len(results['kareus'].points)} Kareus plans on the frontier")
     others = {name: MethodFrontier(tuple(r.points)) for name, r in results.items() if name != "kareus"}

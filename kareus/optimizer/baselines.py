@@ -102,8 +102,13 @@ def method_settings(name: str, profile: ProfileDocument) -> CompositionSettings:
 
 
 def method_frontier(name: str, job: Any, profile: ProfileDocument, simulator: Any = None,
-                    settings: FrontierSettings = FrontierSettings()) -> MethodResult:
-    """One method's iteration frontier for `job` on the profile's GPU."""
+                    settings: FrontierSettings = FrontierSettings(),
+                    starts: Sequence[FrontierTable] = ()) -> MethodResult:
+    """One method's iteration frontier for `job` on the profile's GPU.
+
+    `starts`: other methods' frontiers whose plans, mapped onto this method's options, join the
+    solver's candidates (see `iteration_frontier`); Kareus takes the baselines' here.
+    """
     if name not in LABELS:
         raise KareusError(f"unknown method {name!r}; allowed: {', '.join(LABELS)}")
     pjob = plan_job(job, profile)
@@ -112,7 +117,7 @@ def method_frontier(name: str, job: Any, profile: ProfileDocument, simulator: An
     options = compose_stages(workload, method_source(name, profile, simulator, workload),
                              method_settings(name, profile))
     frontier = iteration_frontier(options, pjob.num_micro_batches, p_static_w=profile.p_static_w,
-                                  gpus_per_stage=pjob.gpus_per_stage, settings=settings)
+                                  gpus_per_stage=pjob.gpus_per_stage, settings=settings, starts=starts)
     return MethodResult(name, frontier, time.perf_counter() - started)
 
 
@@ -136,7 +141,11 @@ def compare_methods(job: Any, profile: ProfileDocument, simulator: Any = None, *
                     methods: Sequence[str] = METHODS, settings: FrontierSettings = FrontierSettings(),
                     objective: Any = None) -> Comparison:
     """Run every method on the same backend; the Kareus plan carries the others' frontiers."""
-    results = {name: method_frontier(name, job, profile, simulator, settings) for name in methods}
+    results: dict[str, MethodResult] = {}
+    for name in sorted(methods, key=lambda m: m == "kareus"):  # Kareus last: it starts from the others
+        starts = [r.frontier for r in results.values()] if name == "kareus" else ()
+        results[name] = method_frontier(name, job, profile, simulator, settings, starts)
+    results = {name: results[name] for name in methods}
     table = comparison_metrics({name: r.points for name, r in results.items()})
     plan = None
     if "kareus" in results:

@@ -22,6 +22,7 @@ all-fastest schedules so the solver takes a bounded number of steps whatever the
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import warnings
@@ -183,6 +184,20 @@ class PipelineProblem:
         num_gpus = self.gpus_per_stage * self.dag.num_stages
         return time_s, self.gpus_per_stage * effective_j + num_gpus * self.p_static_w * time_s
 
+    def picks_within(self, other: FrontierTable, row: FrontierRow) -> list[int]:
+        """Per instruction, the least-energy option of this problem no slower than what `row` of
+        another method's frontier runs there (the fastest option where none is that fast).
+
+        Options are Pareto-sorted fastest first, so that is the last option within the time.
+        """
+        times = {(s, k): [o.time_s for o in self.options[s].of(k)]
+                 for s in range(self.dag.num_stages) for k in ("forward", "backward")}
+        picks = []
+        for s, k, m in self.dag.nodes:
+            budget_s = other.options[s].of(k)[row.choice[s][0 if k == "forward" else 1][m]].time_s
+            picks.append(max(bisect.bisect_right(times[s, k], budget_s * (1 + 1e-12)) - 1, 0))
+        return picks
+
     def row(self, picks: Sequence[int]) -> FrontierRow:
         time_s, energy_j = self.evaluate(picks)
         per_stage = {(s, k): [0] * self.dag.num_microbatches
@@ -195,8 +210,15 @@ class PipelineProblem:
 
 
 def iteration_frontier(options: Sequence[StageOptions], num_microbatches: int, *, p_static_w: float,
-                       gpus_per_stage: int, settings: FrontierSettings = FrontierSettings()) -> FrontierTable:
-    """The iteration frontier as one table (fastest first), solved with Phillips–Dessouky."""
+                       gpus_per_stage: int, settings: FrontierSettings = FrontierSettings(),
+                       starts: Sequence[FrontierTable] = ()) -> FrontierTable:
+    """The iteration frontier as one table (fastest first), solved with Phillips–Dessouky.
+
+    `starts` are other methods' frontiers over the same pipeline: each of their plans, mapped onto
+    these options instruction by instruction (`picks_within`), joins the candidates. Phillips–
+    Dessouky is a heuristic on long pipelines; where it detours, a plan of a method whose options
+    these dominate still fits here, so the result is never worse than those methods'.
+    """
     options = tuple(options)
     for s, stage in enumerate(options):
         if not stage.forward or not stage.backward:
@@ -213,6 +235,10 @@ def iteration_frontier(options: Sequence[StageOptions], num_microbatches: int, *
         expanded = picks if reduced is full else expand_picks(reduced.dag, full.dag, picks)
         rows.append(full.row(reclaim_slack(full, expanded)))
     rows.append(full.row(reclaim_slack(full, _extreme_picks(full, fastest=True))))
+    for table in starts:
+        if len(table.options) != len(options):
+            raise ValueError(f"a start frontier has {len(table.options)} stages, this pipeline {len(options)}")
+        rows += [full.row(reclaim_slack(full, full.picks_within(table, row))) for row in table.rows]
     return FrontierTable(options, _pareto_rows(rows, settings.max_rows))
 
 
