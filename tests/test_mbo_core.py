@@ -219,3 +219,74 @@ def test_default_preset_on_a_single_slot_grid_carries_the_winners_to_every_clock
     assert result.evaluations <= 36
     assert _hv_ratio(result, exhaustive, problem.p_static_w) >= 0.995
     assert sum(e.source == "transfer" for e in result.measured) >= 0.7 * (result.evaluations - 18)
+
+
+def test_carried_quotas_give_every_pass_its_share_over_small_batches():
+    from kareus.optimizer.mbo.acquisition import carried_batch_sizes
+
+    fractions = {"transfer": 0.6, "total": 0.15, "effective": 0.1, "extremes": 0.05, "uncertainty": 0.1}
+    # Per batch of 4 plain rounding gives the effective and extremes passes nothing, ever.
+    assert batch_sizes(4, fractions)["effective"] == batch_sizes(4, fractions)["extremes"] == 0
+    owed: dict[str, float] = {}
+    totals = dict.fromkeys(fractions, 0)
+    for _ in range(20):
+        quotas, owed = carried_batch_sizes(4, fractions, owed)
+        assert sum(quotas.values()) == 4 and min(quotas.values()) >= 0
+        for name, quota in quotas.items():
+            totals[name] += quota
+    assert totals == {name: round(share * 80) for name, share in fractions.items()}
+    assert all(abs(debt) < 1 for debt in owed.values())
+
+
+def test_default_preset_sweeps_the_middle_clock_on_a_grid_with_few_configurations():
+    single_slot = overlap_problem(clocks_mhz=tuple(range(900, 1411, 30)), slots=("norm_0",))  # 10 configurations
+    budget = get_algorithm("default").settings.budget(single_slot)
+    assert budget.sweep and budget.n_init == 10
+    result = minimize(single_slot, get_algorithm("default"), seed=0)
+    initial = result.history[0].evaluated
+    middle = single_slot.space.clocks_mhz[9]  # of 18
+    assert {e.candidate.clock_mhz for e in initial} == {middle}
+    assert sorted(e.candidate.comm_sms for e in initial) == sorted(single_slot.space.comm_sms)
+    # Then transfer covers the other clocks, one point per clock while some are uncovered.
+    first = [e.candidate.clock_mhz for e in result.history[1].evaluated if e.source == "transfer"]
+    assert len(first) >= 2 and len(set(first)) == len(first) and middle not in first
+    assert {e.candidate.clock_mhz for e in result.measured} == set(single_slot.space.clocks_mhz)
+    # Many configurations: one point per clock, Latin-hypercube, as before.
+    four_slots = overlap_problem(clocks_mhz=tuple(range(900, 1411, 30)))
+    assert not get_algorithm("default").settings.budget(four_slots).sweep
+
+
+def test_extremes_pass_explores_next_to_both_ends_of_the_measured_front():
+    from kareus.optimizer.mbo.acquisition import Planes, extremes_rank
+
+    space = SearchSpace((1410, 1200, 1000), (3, 6, 9), ("a",))
+    measured = np.array([1, 3, 5])  # (1410, 6) the fastest, (1200, 3) the leanest, (1200, 9)
+    time_s = np.array([1.0, 1.5, 1.2])
+    effective = np.array([5.0, 3.0, 4.0])
+    remaining = np.setdiff1d(np.arange(space.size), measured)  # 0 2 4 6 7 8
+    predicted_time = np.array([1.1, 0.9, 1.3, 1.6, 1.4, 1.7])
+    predicted_effective = np.array([5.5, 5.2, 4.5, 3.1, 3.4, 3.6])
+    planes = Planes(time_s, effective, predicted_time, predicted_effective, 85.0)
+    order = remaining[extremes_rank(space, measured, planes, remaining)]
+    # Next to the fastest (no higher clock): (1410, 9) then (1410, 3) by predicted time; next to
+    # the leanest: (1000, 3) one clock lower, then (1200, 6) by predicted effective energy —
+    # alternating; then the rest by predicted time.
+    assert list(order) == [2, 6, 0, 4, 7, 8]
+    assert sorted(order) == sorted(remaining)
+
+
+def test_transfer_votes_on_the_surrogate_fit_when_given():
+    from kareus.optimizer.mbo.acquisition import Planes, transfer_rank
+
+    space = SearchSpace((1410, 1200, 1000), (3, 6), ("a",))
+    measured = np.array([0, 1, 2, 3])  # both configurations at 1410 and 1200
+    # Measured: 3 SMs looks best at both clocks by a lucky draw; the fit pools it back.
+    time_s = np.array([1.00, 1.01, 1.20, 1.21])
+    effective = np.array([4.00, 4.01, 3.00, 3.01])
+    remaining = np.array([4, 5])
+    predicted = (np.array([1.4, 1.4]), np.array([2.0, 2.0]))
+    raw = Planes(time_s, effective, *predicted, 85.0)
+    fitted = Planes(time_s, effective, *predicted, 85.0,
+                    np.array([1.01, 1.00, 1.21, 1.20]), np.array([4.01, 4.00, 3.01, 3.00]))
+    assert remaining[transfer_rank(space, measured, raw, remaining, np.array([1, 0]))[0]] == 4
+    assert remaining[transfer_rank(space, measured, fitted, remaining, np.array([0, 1]))[0]] == 5

@@ -9,22 +9,33 @@ Each pass ranks every unmeasured point by one criterion computed from surrogate 
   its HVI is positive exactly for points predicted faster than the fastest measured one, growing
   as the predicted time drops: ranking by predicted time is that pass;
 - `uncertainty`: σ(T̂)+σ(Ê) of a bootstrap ensemble — explores where the surrogates disagree;
-- `transfer` (default preset): a configuration (comm SMs, launch slot) that is on the measured
+- `transfer` (default preset): a configuration (comm SMs, launch slot) that is on the
   (time, effective energy) front of some clock is likely good at the neighbouring clocks too —
   the best overlap changes slowly with the clock. Each clock votes for the configurations on its
-  (time, effective energy) front, judged on measured values where measured and predictions
-  elsewhere. Unmeasured points rank by their configuration's votes, then by total-energy HVI;
-  points at a clock with no measurement yet come first (composition drops such a clock).
+  (time, effective energy) front, judged on the surrogate's values everywhere when they are given
+  (its fit at measured points pools every clock's measurements, so one lucky draw among
+  configurations a noise level apart does not decide the vote), else on measured values where
+  measured and predictions elsewhere. Unmeasured points rank by their configuration's votes, then
+  by total-energy HVI; clocks with no measurement yet come first, each one's best candidate before
+  any clock's second (composition drops a clock with no measurement);
+- `extremes` (default preset): the two ends of the front are where a miss costs the most
+  hypervolume and where the surrogates extrapolate. Unmeasured neighbours of the fastest measured
+  point (the adjacent comm-SM counts or slots at its clock, its configuration one clock higher) and
+  of the least-effective-energy one (likewise, one clock lower) alternate, each ranked by its
+  predicted objective; then every other point by predicted time, as the `static` pass.
 
 Axes are min-max normalised with the measured points' bounds and the reference point is 1.1 ×
 the worst measured value. Points with zero HVI are ranked by how far they are predicted to miss
 the front (`dominance_gap`), so a pass never picks at random. The batch is filled pass by pass in
 the configured proportions (paper: 40/20/20/20) without duplicates; the last pass fills the rest.
+Small batches round most passes' shares to nothing; `carried_batch_sizes` carries each pass's
+unspent share to the next batch, so over a search every pass gets its proportion.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +43,7 @@ import numpy as np
 from kareus.optimizer.mbo.indicators import Normaliser, dominance_gap, hvi_2d, pareto_mask
 from kareus.optimizer.mbo.problem import SearchSpace
 
-PASSES = ("total", "effective", "static", "uncertainty", "transfer")
+PASSES = ("total", "effective", "static", "uncertainty", "transfer", "extremes")
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,8 @@ class Planes:
     predicted_time_s: np.ndarray
     predicted_effective_j: np.ndarray
     p_static_w: float
+    fitted_time_s: np.ndarray | None = None  # the surrogate at the measured points
+    fitted_effective_j: np.ndarray | None = None
 
     def _plane(self, time_s: np.ndarray, effective_j: np.ndarray, plane: str) -> np.ndarray:
         energy = effective_j + self.p_static_w * time_s if plane == "total" else effective_j
@@ -69,6 +82,23 @@ def batch_sizes(batch_size: int, fractions: Mapping[str, float]) -> dict[str, in
         quotas[largest] -= 1
     quotas[names[-1]] = batch_size - sum(quotas.values())
     return quotas
+
+
+def carried_batch_sizes(batch_size: int, fractions: Mapping[str, float],
+                        owed: Mapping[str, float]) -> tuple[dict[str, int], dict[str, float]]:
+    """Per-pass quotas summing to `batch_size` from each share plus what earlier batches owed it.
+
+    Largest remainder: every pass gets the whole part of its due, the largest fractional parts the
+    rest. Returns the quotas and what is still owed (due minus quota) for the next batch.
+    """
+    due = {name: fractions[name] * batch_size + owed.get(name, 0.0) for name in fractions}
+    quotas = {name: max(0, int(np.floor(value))) for name, value in due.items()}
+    by_remainder = sorted(fractions, key=lambda name: quotas[name] - due[name])
+    for name in itertools.islice(itertools.cycle(by_remainder), max(0, batch_size - sum(quotas.values()))):
+        quotas[name] += 1
+    while sum(quotas.values()) > batch_size:  # debts larger than a batch: the most indebted give way
+        quotas[max(quotas, key=quotas.__getitem__)] -= 1
+    return quotas, {name: due[name] - quotas[name] for name in fractions}
 
 
 def configuration_coverage(space: SearchSpace, measured: np.ndarray) -> float:
@@ -132,6 +162,8 @@ def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, rema
     time_s = np.empty(space.size)
     effective_j = np.empty(space.size)
     time_s[measured], effective_j[measured] = planes.measured_time_s, planes.measured_effective_j
+    if planes.fitted_time_s is not None and planes.fitted_effective_j is not None:
+        time_s[measured], effective_j[measured] = planes.fitted_time_s, planes.fitted_effective_j
     time_s[remaining], effective_j[remaining] = planes.predicted_time_s, planes.predicted_effective_j
     n_clocks = len(space.clocks_mhz)
     on_front = np.zeros((n_clocks, len(space.comm_sms) * len(space.launch_slots)))
@@ -142,14 +174,53 @@ def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, rema
     votes = on_front.sum(axis=0)
     position = np.empty(len(remaining), dtype=int)
     position[tie_break] = np.arange(len(remaining))
-    # A clock with no measurement at all comes first: composition drops such a clock.
+    # A clock with no measurement at all comes first: composition drops such a clock. Each such
+    # clock's best candidate goes before any clock's second, so a batch covers as many as it can.
     uncovered = ~np.isin(clock_i[remaining], clock_i[measured])
-    return np.lexsort((position, -votes[config[remaining]], ~uncovered))
+    order = np.lexsort((position, -votes[config[remaining]], ~uncovered))
+    rank = np.empty(len(remaining), dtype=int)
+    rank[order] = np.arange(len(remaining))
+    first_at_clock = np.zeros(len(remaining), dtype=bool)
+    _, first = np.unique(clock_i[remaining[order]], return_index=True)
+    first_at_clock[order[first]] = True
+    return np.lexsort((rank, ~(first_at_clock & uncovered)))
+
+
+def _neighbours(space: SearchSpace, point: int, remaining: np.ndarray, clock_step: int) -> np.ndarray:
+    """Mask over `remaining`: the configurations next to `point` at its clock, and its own one clock away.
+
+    `clock_step` is in grid order: clocks are listed fastest first, so -1 is one clock higher.
+    """
+    clock_i, sms_i, slot_i = space.axes
+    c, s, k = clock_i[point], sms_i[point], slot_i[point]
+    rc, rs, rk = clock_i[remaining], sms_i[remaining], slot_i[remaining]
+    same_clock = (rc == c) & (((rk == k) & (np.abs(rs - s) == 1)) | (rs == s))
+    return same_clock | ((rc == c + clock_step) & (rs == s) & (rk == k))
+
+
+def extremes_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, remaining: np.ndarray) -> np.ndarray:
+    """Candidate order for the extremes pass (see the module docstring)."""
+    fastest = measured[int(np.argmin(planes.measured_time_s))]
+    leanest = measured[int(np.argmin(planes.measured_effective_j))]
+    near_fast = np.flatnonzero(_neighbours(space, fastest, remaining, -1))
+    near_lean = np.flatnonzero(_neighbours(space, leanest, remaining, +1))
+    near_fast = near_fast[np.argsort(planes.predicted_time_s[near_fast], kind="stable")]
+    near_lean = near_lean[np.argsort(planes.predicted_effective_j[near_lean], kind="stable")]
+    order = [int(p) for pair in itertools.zip_longest(near_fast, near_lean) for p in pair if p is not None]
+    order = list(dict.fromkeys(order))
+    taken = set(order)
+    rest = [int(p) for p in np.argsort(planes.predicted_time_s, kind="stable") if int(p) not in taken]
+    return np.asarray(order + rest, dtype=int)
 
 
 def rank_passes(planes: Planes, uncertainty: np.ndarray | None,
-                transfer: tuple[SearchSpace, np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """The candidate order of every pass; `transfer` is (space, measured, remaining) grid indices."""
+                grid: tuple[SearchSpace, np.ndarray, np.ndarray] | None = None,
+                passes: Collection[str] = PASSES) -> dict[str, np.ndarray]:
+    """The candidate order of every pass in `passes` that can run.
+
+    `uncertainty` is needed by the uncertainty pass, `grid` = (space, measured, remaining grid
+    indices) by the transfer and extremes passes.
+    """
     rankings = {
         "total": planes.improvement_rank("total"),
         "effective": planes.improvement_rank("effective"),
@@ -157,7 +228,10 @@ def rank_passes(planes: Planes, uncertainty: np.ndarray | None,
     }
     if uncertainty is not None:
         rankings["uncertainty"] = np.argsort(-uncertainty, kind="stable")
-    if transfer is not None:
-        space, measured, remaining = transfer
-        rankings["transfer"] = transfer_rank(space, measured, planes, remaining, rankings["total"])
+    if grid is not None:
+        space, measured, remaining = grid
+        if "transfer" in passes:
+            rankings["transfer"] = transfer_rank(space, measured, planes, remaining, rankings["total"])
+        if "extremes" in passes:
+            rankings["extremes"] = extremes_rank(space, measured, planes, remaining)
     return rankings

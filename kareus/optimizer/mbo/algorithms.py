@@ -13,10 +13,13 @@ batches drops below `stop_epsilon`. Two presets:
   random initial design, paper tree settings, 40/20/20/20 passes;
 - `default`: fewer measurements for the same front: a clock-stratified space-filling initial
   design of one point per clock (every clock measured from the start, which composition needs
-  anyway; comm SMs and slots Latin-hypercube spread over the clocks); a `transfer`
-  pass that fills 60 % of every batch — up to 75 % once most configurations have been measured
-  at some clock — with configurations that are on the front at other clocks (the best overlap
-  changes slowly with the clock; the paper's four passes share the rest);
+  anyway; comm SMs and slots Latin-hypercube spread over the clocks) — or, where the
+  configurations are no more than the clocks and 30 % of the budget, every configuration at the
+  middle clock (`clock_sweep_design`); a `transfer` pass that fills 60 % of every batch — up to
+  75 % once most configurations have been measured at some clock — with configurations that are
+  on the front at other clocks (the best overlap changes slowly with the clock), an `extremes`
+  pass in place of `static` (the neighbours of both ends of the measured front), the paper's
+  other passes sharing the rest, and each pass's unspent share carried to the next batch;
   budgets proportional to the grid with a hard cap of 20 % of it; small batches (2 % of the grid)
   so the stopping rule can end the search early — averaged over 3 of them, only once 10 % of
   the grid is measured and at a gain below 1e-4, since small batches gain little each;
@@ -40,11 +43,12 @@ from kareus.optimizer.mbo.acquisition import (
     Planes,
     adapt_transfer,
     batch_sizes,
+    carried_batch_sizes,
     configuration_coverage,
     fill_batch,
     rank_passes,
 )
-from kareus.optimizer.mbo.designs import random_design, stratified_design
+from kareus.optimizer.mbo.designs import clock_sweep_design, random_design, stratified_design
 from kareus.optimizer.mbo.indicators import Normaliser, hypervolume, pareto_mask
 from kareus.optimizer.mbo.problem import Evaluated, Problem, SearchResult, Step
 from kareus.optimizer.mbo.surrogates import Surrogate, TreeSettings, bootstrap_uncertainty
@@ -144,6 +148,7 @@ class Budget:
     n_init: int
     batch_size: int
     max_batches: int
+    sweep: bool = False  # the initial design is every configuration at the middle clock
 
     @property
     def evaluations(self) -> int:
@@ -166,13 +171,19 @@ class GridBudget:
     batch_fraction: float  # batch size as a fraction of the grid
     max_fraction: float  # hard cap on measured points as a fraction of the grid
     min_batch: int = 4
+    sweep_max_share: float = 0.0  # > 0: sweep the middle clock when the configurations fit in this share of the cap
 
     def for_problem(self, problem: Problem) -> Budget:
         space = problem.space
         n_init = min(max(1, self.init_per_clock) * len(space.clocks_mhz), space.size)
         cap = max(n_init, int(self.max_fraction * space.size))
+        configurations = len(space.comm_sms) * len(space.launch_slots)
+        # A sweep no larger than one point per clock, leaving most of the budget to the passes.
+        sweep = 0 < configurations <= min(n_init, self.sweep_max_share * cap)
+        if sweep:
+            n_init = configurations
         batch = max(self.min_batch, round(self.batch_fraction * space.size))
-        return Budget(n_init, batch, max(0, -(-(cap - n_init) // batch)))
+        return Budget(n_init, batch, max(0, -(-(cap - n_init) // batch)), sweep)
 
 
 @dataclass(frozen=True)
@@ -191,6 +202,7 @@ class MBOSettings:
     stop_after_fraction: float = 0.0  # the stopping rule applies once this share of the grid is measured
     max_grid_fraction: float = 1.0
     transfer_max: float = 0.0  # > the transfer share: raise it to the configuration coverage up to this
+    carry_quotas: bool = False  # carry each pass's unspent share of a batch to the next
 
 
 def _paper_budget(problem: Problem) -> Budget:
@@ -218,18 +230,22 @@ class MultiPassMBO(Algorithm):
         budget = settings.budget(problem)
         limit = self.max_evaluations(problem)
         rng = np.random.default_rng(seed)
-        design = stratified_design if settings.design == "stratified" else random_design
         archive = _Archive(problem)
-        initial = design(space, min(budget.n_init, limit), rng)
+        if budget.sweep:
+            initial = clock_sweep_design(space)
+        else:
+            design = stratified_design if settings.design == "stratified" else random_design
+            initial = design(space, min(budget.n_init, limit), rng)
         step = archive.measure(initial, 0, ["initial"] * len(initial), limit)
         yield step
         gains: list[float] = []
+        owed: dict[str, float] = {}
         for batch in range(1, budget.max_batches + 1):
             size = min(budget.batch_size, limit - step.evaluations, space.size - step.evaluations)
             if size <= 0:
                 return
             previous = step.hypervolume
-            indices, sources = self._select(problem, archive, size, seed + batch)
+            indices, sources, owed = self._select(problem, archive, size, seed + batch, owed)
             step = archive.measure(indices, batch, sources, limit)
             yield step
             gains.append((step.hypervolume - previous) / previous if previous > 0 else 1.0)
@@ -238,36 +254,45 @@ class MultiPassMBO(Algorithm):
             if enough and len(window) == settings.stop_window and float(np.mean(window)) < settings.stop_epsilon:
                 return
 
-    def _select(self, problem: Problem, archive: _Archive, size: int, seed: int) -> tuple[np.ndarray, list[str]]:
+    def _select(self, problem: Problem, archive: _Archive, size: int, seed: int,
+                owed: dict[str, float]) -> tuple[np.ndarray, list[str], dict[str, float]]:
         settings, space = self.settings, problem.space
         measured = np.asarray(archive.indices)
         remaining = np.setdiff1d(np.arange(space.size), measured)
         features = space.features
         time_s, effective_j = archive.time_s, archive.effective_j
-        prediction = Surrogate(settings.trees, features[measured], time_s, effective_j, seed=seed).predict(
-            features[remaining])
+        surrogate = Surrogate(settings.trees, features[measured], time_s, effective_j, seed=seed)
+        prediction = surrogate.predict(features[remaining])
+        fitted = surrogate.predict(features[measured])
         uncertainty = None
         if settings.fractions.get("uncertainty", 0) > 0:
             uncertainty = bootstrap_uncertainty(
                 settings.trees, features[measured], time_s, effective_j, features[remaining],
                 members=settings.ensemble_members, fraction=settings.ensemble_fraction, seed=seed)
-        planes = Planes(time_s, effective_j, prediction.time_s, prediction.effective_energy_j, problem.p_static_w)
-        transfer = (space, measured, remaining) if settings.fractions.get("transfer", 0) > 0 else None
+        planes = Planes(time_s, effective_j, prediction.time_s, prediction.effective_energy_j, problem.p_static_w,
+                        fitted.time_s, fitted.effective_energy_j)
+        passes = [name for name, share in settings.fractions.items() if share > 0]
+        rankings = rank_passes(planes, uncertainty, (space, measured, remaining), passes)
         fractions = adapt_transfer(settings.fractions, configuration_coverage(space, measured), settings.transfer_max)
-        chosen = fill_batch(rank_passes(planes, uncertainty, transfer), batch_sizes(size, fractions))
-        return remaining[[position for position, _ in chosen]], [source for _, source in chosen]
+        if settings.carry_quotas:
+            quotas, owed = carried_batch_sizes(size, fractions, owed)
+        else:
+            quotas = batch_sizes(size, fractions)
+        chosen = fill_batch(rankings, quotas)
+        return remaining[[position for position, _ in chosen]], [source for _, source in chosen], owed
 
 
 PRESETS: dict[str, MBOSettings] = {
     "paper": MBOSettings(name="paper", budget=_paper_budget),
     "default": MBOSettings(
         name="default",
-        budget=GridBudget(init_per_clock=1, batch_fraction=0.02, max_fraction=0.2).for_problem,
+        budget=GridBudget(init_per_clock=1, batch_fraction=0.02, max_fraction=0.2, sweep_max_share=0.3).for_problem,
         design="stratified",
-        fractions={"transfer": 0.6, "total": 0.15, "effective": 0.1, "static": 0.05, "uncertainty": 0.1},
+        fractions={"transfer": 0.6, "total": 0.15, "effective": 0.1, "extremes": 0.05, "uncertainty": 0.1},
         trees=TreeSettings(max_depth=4, eta=0.3, rounds=40, monotone_clock=True),
         max_grid_fraction=0.2,
         transfer_max=0.75,
+        carry_quotas=True,
         stop_window=3,  # batches are small: average the gain over more of them
         stop_after_fraction=0.1,
         # Composition needs every clock's front, not the measured front over all clocks, which the

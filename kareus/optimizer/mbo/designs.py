@@ -6,6 +6,12 @@
   different configurations. Clock stratification matters twice: composition works per clock and
   drops a clock with no measured point, and the surrogate learns the clock effect from every clock
   instead of extrapolating into an unsampled corner.
+- `clock_sweep_design`: every configuration at the middle clock. On a grid with few
+  configurations (a single launch slot: ten comm-SM counts) one point per clock at random
+  configurations mostly lands off the front, while a sweep shows which configurations win, and the
+  transfer pass then carries them to the other clocks, each clock's first point already a likely
+  winner. The middle clock is the nearest to all others, which matters because the winner drifts
+  with the clock.
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ def stratified_design(space: SearchSpace, n: int, rng: np.random.Generator) -> n
         chosen.append(index)
         taken.add(index)
     return np.asarray(chosen, dtype=int)
+
+
+def clock_sweep_design(space: SearchSpace) -> np.ndarray:
+    """The grid indices of every configuration at the middle clock."""
+    per_clock = len(space.comm_sms) * len(space.launch_slots)
+    middle = len(space.clocks_mhz) // 2
+    return np.arange(middle * per_clock, (middle + 1) * per_clock)
 
 
 def _nearest_free(space: SearchSpace, clock_i: int, sms_i: int, slot_i: int, taken: set[int]) -> int:
