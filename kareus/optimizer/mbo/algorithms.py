@@ -288,7 +288,7 @@ PRESETS: dict[str, MBOSettings] = {
         name="default",
         budget=GridBudget(init_per_clock=1, batch_fraction=0.02, max_fraction=0.2, sweep_max_share=0.3).for_problem,
         design="stratified",
-        fractions={"transfer": 0.6, "total": 0.15, "effective": 0.1, "extremes": 0.05, "uncertainty": 0.1},
+        fractions={"transfer": 0.6, "total": 0.1, "effective": 0.15, "extremes": 0.1, "uncertainty": 0.05},
         trees=TreeSettings(max_depth=4, eta=0.3, rounds=40, monotone_clock=True),
         max_grid_fraction=0.2,
         transfer_max=0.75,
