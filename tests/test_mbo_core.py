@@ -290,3 +290,21 @@ def test_transfer_votes_on_the_surrogate_fit_when_given():
                     np.array([1.01, 1.00, 1.21, 1.20]), np.array([4.01, 4.00, 3.01, 3.00]))
     assert remaining[transfer_rank(space, measured, raw, remaining, np.array([1, 0]))[0]] == 4
     assert remaining[transfer_rank(space, measured, fitted, remaining, np.array([0, 1]))[0]] == 5
+
+
+def test_transfer_measures_the_voted_configurations_at_both_end_clocks_of_a_small_grid():
+    from kareus.optimizer.mbo.acquisition import Planes, transfer_rank
+
+    space = SearchSpace((1410, 1300, 1200, 1100), (3, 6, 9), ("a",))  # 3 configurations, 4 clocks
+    measured = np.array([3, 4, 5])  # a sweep at 1300 MHz: 3 SMs lean, 6 SMs fast, 9 SMs dominated
+    time_s, effective = np.array([1.3, 1.0, 1.1]), np.array([3.0, 4.0, 4.5])
+    remaining = np.setdiff1d(np.arange(space.size), measured)
+    # Predicted like the sweep clock everywhere (trees with one clock of data cannot tell clocks apart).
+    predicted_time = np.tile([1.3, 1.0, 1.1], 3)
+    predicted_effective = np.tile([3.0, 4.0, 4.5], 3)
+    planes = Planes(time_s, effective, predicted_time, predicted_effective, 85.0)
+    order = remaining[transfer_rank(space, measured, planes, remaining, np.arange(len(remaining)))]
+    urgent = set(order[:5].tolist())
+    # Each uncovered clock's best point, plus the other voted configuration at 1410 and 1100 MHz.
+    assert {0, 1, 9, 10} <= urgent and len(urgent & {6, 7}) == 1
+    assert {2, 8, 11} & urgent == set()  # 9 SMs is on no front

@@ -17,7 +17,9 @@ Each pass ranks every unmeasured point by one criterion computed from surrogate 
   configurations a noise level apart does not decide the vote), else on measured values where
   measured and predictions elsewhere. Unmeasured points rank by their configuration's votes, then
   by total-energy HVI; clocks with no measurement yet come first, each one's best candidate before
-  any clock's second (composition drops a clock with no measurement);
+  any clock's second (composition drops a clock with no measurement) — and on grids with no more
+  configurations than clocks, every configuration that half the clocks vote for at the highest
+  and the lowest clock, where the ends of the front are;
 - `extremes` (default preset): the two ends of the front are where a miss costs the most
   hypervolume and where the surrogates extrapolate. Unmeasured neighbours of the fastest measured
   point (the adjacent comm-SM counts or slots at its clock, its configuration one clock higher) and
@@ -183,7 +185,14 @@ def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, rema
     first_at_clock = np.zeros(len(remaining), dtype=bool)
     _, first = np.unique(clock_i[remaining[order]], return_index=True)
     first_at_clock[order[first]] = True
-    return np.lexsort((rank, ~(first_at_clock & uncovered)))
+    urgent = first_at_clock & uncovered
+    if on_front.shape[1] <= n_clocks:
+        # Few configurations: the end clocks hold the ends of the front (fastest, least effective
+        # energy), where a miss costs the most hypervolume; there every configuration that half
+        # the clocks or more vote for is urgent, not only the best — a few points in all.
+        at_end = np.isin(clock_i[remaining], (0, n_clocks - 1))
+        urgent |= at_end & (votes[config[remaining]] >= 0.5 * votes.max())
+    return np.lexsort((rank, ~urgent))
 
 
 def _neighbours(space: SearchSpace, point: int, remaining: np.ndarray, clock_step: int) -> np.ndarray:
