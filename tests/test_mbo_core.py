@@ -308,3 +308,13 @@ def test_transfer_measures_the_voted_configurations_at_both_end_clocks_of_a_smal
     # Each uncovered clock's best point, plus the other voted configuration at 1410 and 1100 MHz.
     assert {0, 1, 9, 10} <= urgent and len(urgent & {6, 7}) == 1
     assert {2, 8, 11} & urgent == set()  # 9 SMs is on no front
+
+
+def test_default_preset_does_not_stop_while_a_clock_is_unmeasured():
+    # Flat costs: no batch improves the front, so the stopping rule would end the search after
+    # the sweep and three batches (22 points), with most clocks never measured.
+    space = SearchSpace(tuple(range(900, 1411, 30)), tuple(range(3, 31, 3)), ("a",))
+    problem = Problem("flat", space, lambda cs: [(1.0, 100.0) for _ in cs], 85.0, "small")
+    result = minimize(problem, get_algorithm("default"), seed=0)
+    assert {e.candidate.clock_mhz for e in result.measured} == set(space.clocks_mhz)
+    assert result.evaluations < 0.2 * space.size  # and then it does stop

@@ -22,7 +22,8 @@ batches drops below `stop_epsilon`. Two presets:
   other passes sharing the rest, and each pass's unspent share carried to the next batch;
   budgets proportional to the grid with a hard cap of 20 % of it; small batches (2 % of the grid)
   so the stopping rule can end the search early — averaged over 3 of them, only once 10 % of
-  the grid is measured and at a gain below 1e-4, since small batches gain little each;
+  the grid and every clock are measured and at a gain below 1e-4, since small batches gain
+  little each;
   time constrained to be monotone in the clock; smaller trees (the data are a few dozen points).
 
 Progress is the hypervolume of the measured front, averaged over the (time, effective energy)
@@ -200,6 +201,7 @@ class MBOSettings:
     stop_window: int = 2
     stop_epsilon: float = 1e-3
     stop_after_fraction: float = 0.0  # the stopping rule applies once this share of the grid is measured
+    stop_needs_every_clock: bool = False  # ... and once every clock has a measurement
     max_grid_fraction: float = 1.0
     transfer_max: float = 0.0  # > the transfer share: raise it to the configuration coverage up to this
     carry_quotas: bool = False  # carry each pass's unspent share of a batch to the next
@@ -251,6 +253,8 @@ class MultiPassMBO(Algorithm):
             gains.append((step.hypervolume - previous) / previous if previous > 0 else 1.0)
             window = gains[-settings.stop_window:]
             enough = step.evaluations >= settings.stop_after_fraction * space.size
+            if settings.stop_needs_every_clock:  # composition drops a clock with no measurement
+                enough = enough and len({e.candidate.clock_mhz for e in archive.evaluated}) == len(space.clocks_mhz)
             if enough and len(window) == settings.stop_window and float(np.mean(window)) < settings.stop_epsilon:
                 return
 
@@ -295,6 +299,7 @@ PRESETS: dict[str, MBOSettings] = {
         carry_quotas=True,
         stop_window=3,  # batches are small: average the gain over more of them
         stop_after_fraction=0.1,
+        stop_needs_every_clock=True,
         # Composition needs every clock's front, not the measured front over all clocks, which the
         # gain measures: a gain of 1e-4 can still be a better configuration at some clock.
         stop_epsilon=1e-4,
