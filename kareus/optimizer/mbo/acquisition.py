@@ -190,29 +190,33 @@ def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, rema
         # Few configurations: the end clocks hold the ends of the front (fastest, least effective
         # energy), where a miss costs the most hypervolume; there every configuration that half
         # the clocks or more vote for is urgent, not only the best — a few points in all.
-        at_end = np.isin(clock_i[remaining], (0, n_clocks - 1))
+        ends = (int(np.argmax(space.clocks_mhz)), int(np.argmin(space.clocks_mhz)))
+        at_end = np.isin(clock_i[remaining], ends)
         urgent |= at_end & (votes[config[remaining]] >= 0.5 * votes.max())
     return np.lexsort((rank, ~urgent))
 
 
-def _neighbours(space: SearchSpace, point: int, remaining: np.ndarray, clock_step: int) -> np.ndarray:
-    """Mask over `remaining`: the configurations next to `point` at its clock, and its own one clock away.
-
-    `clock_step` is in grid order: clocks are listed fastest first, so -1 is one clock higher.
-    """
+def _neighbours(space: SearchSpace, point: int, remaining: np.ndarray, higher: bool) -> np.ndarray:
+    """Mask over `remaining`: the configurations next to `point` at its clock, and its own
+    configuration at the next higher (`higher`) or lower clock."""
     clock_i, sms_i, slot_i = space.axes
     c, s, k = clock_i[point], sms_i[point], slot_i[point]
     rc, rs, rk = clock_i[remaining], sms_i[remaining], slot_i[remaining]
     same_clock = (rc == c) & (((rk == k) & (np.abs(rs - s) == 1)) | (rs == s))
-    return same_clock | ((rc == c + clock_step) & (rs == s) & (rk == k))
+    clocks_mhz = np.asarray(space.clocks_mhz)
+    beyond = np.flatnonzero(clocks_mhz > clocks_mhz[c] if higher else clocks_mhz < clocks_mhz[c])
+    if len(beyond) == 0:
+        return same_clock
+    next_clock = beyond[np.argmin(np.abs(clocks_mhz[beyond] - clocks_mhz[c]))]
+    return same_clock | ((rc == next_clock) & (rs == s) & (rk == k))
 
 
 def extremes_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, remaining: np.ndarray) -> np.ndarray:
     """Candidate order for the extremes pass (see the module docstring)."""
     fastest = measured[int(np.argmin(planes.measured_time_s))]
     leanest = measured[int(np.argmin(planes.measured_effective_j))]
-    near_fast = np.flatnonzero(_neighbours(space, fastest, remaining, -1))
-    near_lean = np.flatnonzero(_neighbours(space, leanest, remaining, +1))
+    near_fast = np.flatnonzero(_neighbours(space, fastest, remaining, higher=True))
+    near_lean = np.flatnonzero(_neighbours(space, leanest, remaining, higher=False))
     near_fast = near_fast[np.argsort(planes.predicted_time_s[near_fast], kind="stable")]
     near_lean = near_lean[np.argsort(planes.predicted_effective_j[near_lean], kind="stable")]
     order = [int(p) for pair in itertools.zip_longest(near_fast, near_lean) for p in pair if p is not None]

@@ -267,14 +267,15 @@ class MultiPassMBO(Algorithm):
         time_s, effective_j = archive.time_s, archive.effective_j
         surrogate = Surrogate(settings.trees, features[measured], time_s, effective_j, seed=seed)
         prediction = surrogate.predict(features[remaining])
-        fitted = surrogate.predict(features[measured])
+        # Transfer votes on the fit at measured points; no other pass needs it.
+        fitted = surrogate.predict(features[measured]) if settings.fractions.get("transfer", 0) > 0 else None
         uncertainty = None
         if settings.fractions.get("uncertainty", 0) > 0:
             uncertainty = bootstrap_uncertainty(
                 settings.trees, features[measured], time_s, effective_j, features[remaining],
                 members=settings.ensemble_members, fraction=settings.ensemble_fraction, seed=seed)
         planes = Planes(time_s, effective_j, prediction.time_s, prediction.effective_energy_j, problem.p_static_w,
-                        fitted.time_s, fitted.effective_energy_j)
+                        *((fitted.time_s, fitted.effective_energy_j) if fitted is not None else ()))
         passes = [name for name, share in settings.fractions.items() if share > 0]
         rankings = rank_passes(planes, uncertainty, (space, measured, remaining), passes)
         fractions = adapt_transfer(settings.fractions, configuration_coverage(space, measured), settings.transfer_max)
