@@ -21,6 +21,7 @@ table reports per method (medians over partition types and seeds):
 
     .venv/bin/python bench/mbo_efficiency.py --quick          # two configurations, 2 seeds
     .venv/bin/python bench/mbo_efficiency.py --seeds 5 --workers 2 --json out.json
+    .venv/bin/python bench/mbo_efficiency.py --seeds 20 --workers 2 --partitions fwd_ao_ar,bwd_o_ar
 """
 
 from __future__ import annotations
@@ -210,8 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", type=float, default=0.01, help="relative measurement noise (default 0.01)")
     parser.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     parser.add_argument("--json", metavar="PATH", help="also write every result and the summary as JSON")
+    parser.add_argument("--partitions", metavar="P[,P...]",
+                        help="only these partition types (e.g. fwd_ao_ar,bwd_o_ar: the single-slot grids)")
     args = parser.parse_args(argv)
     todo = cases(args.quick, args.seeds, args.noise)
+    if args.partitions:
+        wanted = set(args.partitions.split(","))
+        todo = [case for case in todo if case.partition in wanted]
+        if not todo:
+            parser.error(f"--partitions: no partition type of the configurations is named {sorted(wanted)}")
     started = time.perf_counter()
     if args.workers > 1:
         with ProcessPoolExecutor(args.workers) as pool:
