@@ -105,9 +105,7 @@ def carried_batch_sizes(batch_size: int, fractions: Mapping[str, float],
 
 def configuration_coverage(space: SearchSpace, measured: np.ndarray) -> float:
     """Share of the configurations (comm SMs, launch slot) measured at one clock or more."""
-    _, sms_i, slot_i = space.axes
-    config = sms_i[measured] * len(space.launch_slots) + slot_i[measured]
-    return len(np.unique(config)) / (len(space.comm_sms) * len(space.launch_slots))
+    return len(np.unique(space.configuration_index[measured])) / space.configurations
 
 
 def adapt_transfer(fractions: Mapping[str, float], coverage: float, transfer_max: float) -> dict[str, float]:
@@ -158,8 +156,8 @@ def fill_batch(rankings: Mapping[str, np.ndarray], quotas: Mapping[str, int]) ->
 def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, remaining: np.ndarray,
                   tie_break: np.ndarray) -> np.ndarray:
     """Candidate order for the transfer pass (see the module docstring)."""
-    clock_i, sms_i, slot_i = space.axes
-    config = sms_i * len(space.launch_slots) + slot_i
+    clock_i = space.axes[0]
+    config = space.configuration_index
     # Every grid point's best guess: measured where measured, predicted elsewhere.
     time_s = np.empty(space.size)
     effective_j = np.empty(space.size)
@@ -168,7 +166,7 @@ def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, rema
         time_s[measured], effective_j[measured] = planes.fitted_time_s, planes.fitted_effective_j
     time_s[remaining], effective_j[remaining] = planes.predicted_time_s, planes.predicted_effective_j
     n_clocks = len(space.clocks_mhz)
-    on_front = np.zeros((n_clocks, len(space.comm_sms) * len(space.launch_slots)))
+    on_front = np.zeros((n_clocks, space.configurations))
     for clock in range(n_clocks):
         at_clock = np.flatnonzero(clock_i == clock)
         plane = np.column_stack((time_s[at_clock], effective_j[at_clock]))

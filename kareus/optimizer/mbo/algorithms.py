@@ -24,7 +24,10 @@ batches drops below `stop_epsilon`. Two presets:
   so the stopping rule can end the search early — averaged over 3 of them, only once 10 % of
   the grid and every clock are measured and at a gain below 1e-4, since small batches gain
   little each;
-  time constrained to be monotone in the clock; smaller trees (the data are a few dozen points).
+  time constrained to be monotone in the clock; smaller trees (the data are a few dozen points);
+  on grids with no more configurations than clocks, the additive surrogate (`additive.py`: a
+  clock curve shared by all configurations plus offsets drifting smoothly with the clock) in
+  place of the trees for every pass but the bootstrap uncertainty.
 
 Progress is the hypervolume of the measured front, averaged over the (time, effective energy)
 and (time, total energy) planes, normalised with the bounds of the initial design so that it only
@@ -49,10 +52,11 @@ from kareus.optimizer.mbo.acquisition import (
     fill_batch,
     rank_passes,
 )
+from kareus.optimizer.mbo.additive import AdditiveSettings, AdditiveSurrogate
 from kareus.optimizer.mbo.designs import clock_sweep_design, random_design, stratified_design
 from kareus.optimizer.mbo.indicators import Normaliser, hypervolume, pareto_mask
-from kareus.optimizer.mbo.problem import Evaluated, Problem, SearchResult, Step
-from kareus.optimizer.mbo.surrogates import Surrogate, TreeSettings, bootstrap_uncertainty
+from kareus.optimizer.mbo.problem import Evaluated, Problem, SearchResult, SearchSpace, Step
+from kareus.optimizer.mbo.surrogates import Prediction, Surrogate, TreeSettings, bootstrap_uncertainty
 
 
 class _Archive:
@@ -178,7 +182,7 @@ class GridBudget:
         space = problem.space
         n_init = min(max(1, self.init_per_clock) * len(space.clocks_mhz), space.size)
         cap = max(n_init, int(self.max_fraction * space.size))
-        configurations = len(space.comm_sms) * len(space.launch_slots)
+        configurations = space.configurations
         # A sweep no larger than one point per clock, leaving most of the budget to the passes.
         sweep = 0 < configurations <= min(n_init, self.sweep_max_share * cap)
         if sweep:
@@ -205,6 +209,8 @@ class MBOSettings:
     max_grid_fraction: float = 1.0
     transfer_max: float = 0.0  # > the transfer share: raise it to the configuration coverage up to this
     carry_quotas: bool = False  # carry each pass's unspent share of a batch to the next
+    # Set: the surrogate on grids with no more configurations than clocks (trees elsewhere).
+    additive: AdditiveSettings | None = None
 
 
 def _paper_budget(problem: Problem) -> Budget:
@@ -258,6 +264,15 @@ class MultiPassMBO(Algorithm):
             if enough and len(window) == settings.stop_window and float(np.mean(window)) < settings.stop_epsilon:
                 return
 
+    def _surrogate(self, space: SearchSpace, measured: np.ndarray, time_s: np.ndarray, effective_j: np.ndarray,
+                   seed: int) -> Callable[[np.ndarray], Prediction]:
+        """The fitted surrogate as a function of grid indices."""
+        additive = self.settings.additive
+        if additive is not None and space.configurations <= len(space.clocks_mhz):
+            return AdditiveSurrogate(additive, space, measured, time_s, effective_j).predict
+        trees = Surrogate(self.settings.trees, space.features[measured], time_s, effective_j, seed=seed)
+        return lambda indices: trees.predict(space.features[indices])
+
     def _select(self, problem: Problem, archive: _Archive, size: int, seed: int,
                 owed: dict[str, float]) -> tuple[np.ndarray, list[str], dict[str, float]]:
         settings, space = self.settings, problem.space
@@ -265,10 +280,10 @@ class MultiPassMBO(Algorithm):
         remaining = np.setdiff1d(np.arange(space.size), measured)
         features = space.features
         time_s, effective_j = archive.time_s, archive.effective_j
-        surrogate = Surrogate(settings.trees, features[measured], time_s, effective_j, seed=seed)
-        prediction = surrogate.predict(features[remaining])
+        predict = self._surrogate(space, measured, time_s, effective_j, seed)
+        prediction = predict(remaining)
         # Transfer votes on the fit at measured points; no other pass needs it.
-        fitted = surrogate.predict(features[measured]) if settings.fractions.get("transfer", 0) > 0 else None
+        fitted = predict(measured) if settings.fractions.get("transfer", 0) > 0 else None
         uncertainty = None
         if settings.fractions.get("uncertainty", 0) > 0:
             uncertainty = bootstrap_uncertainty(
@@ -298,6 +313,7 @@ PRESETS: dict[str, MBOSettings] = {
         max_grid_fraction=0.2,
         transfer_max=0.75,
         carry_quotas=True,
+        additive=AdditiveSettings(),
         stop_window=3,  # batches are small: average the gain over more of them
         stop_after_fraction=0.1,
         stop_needs_every_clock=True,

@@ -47,7 +47,7 @@ def stratified_design(space: SearchSpace, n: int, rng: np.random.Generator) -> n
 
 def clock_sweep_design(space: SearchSpace) -> np.ndarray:
     """The grid indices of every configuration at the middle clock (the lower median frequency)."""
-    per_clock = len(space.comm_sms) * len(space.launch_slots)
+    per_clock = space.configurations
     middle = int(np.argsort(space.clocks_mhz)[(len(space.clocks_mhz) - 1) // 2])
     return np.arange(middle * per_clock, (middle + 1) * per_clock)
 

@@ -53,11 +53,22 @@ class SearchSpace:
     def size(self) -> int:
         return len(self.clocks_mhz) * len(self.comm_sms) * len(self.launch_slots)
 
+    @property
+    def configurations(self) -> int:
+        """Configurations (comm SMs × launch slots) per clock."""
+        return len(self.comm_sms) * len(self.launch_slots)
+
     @cached_property
     def axes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per grid index: (clock index, comm-SM index, slot index)."""
         grid = np.indices((len(self.clocks_mhz), len(self.comm_sms), len(self.launch_slots)))
         return tuple(axis.reshape(-1) for axis in grid)  # type: ignore[return-value]
+
+    @cached_property
+    def configuration_index(self) -> np.ndarray:
+        """Per grid index: its configuration's index, 0 .. configurations - 1, the same at every clock."""
+        _, sms_i, slot_i = self.axes
+        return sms_i * len(self.launch_slots) + slot_i
 
     @cached_property
     def features(self) -> np.ndarray:
