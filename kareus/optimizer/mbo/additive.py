@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+from scipy.linalg import block_diag
 
 from kareus.optimizer.mbo.problem import SearchSpace
-from kareus.optimizer.mbo.surrogates import Prediction, _scale
+from kareus.optimizer.mbo.surrogates import Prediction, min_max_bounds
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,8 @@ def _penalty(order: tuple[int, ...], n_configs: int, settings: AdditiveSettings)
     drift = settings.drift_smoothness * first.T @ first + settings.drift_ridge * np.eye(n_clocks)
     # A whisper of ridge on g: before two clocks are measured its level and slope are otherwise free.
     curve = settings.clock_smoothness * second.T @ second + 1e-6 * np.eye(n_clocks)
-    blocks = [curve, settings.offset_ridge * np.eye(n_configs)] + [drift] * n_configs
-    size = sum(len(block) for block in blocks)
-    penalty = np.zeros((size, size))
-    start = 0
-    for block in blocks:
-        penalty[start:start + len(block), start:start + len(block)] = block
-        start += len(block)
+    penalty = block_diag(curve, settings.offset_ridge * np.eye(n_configs), *[drift] * n_configs)
+    penalty.flags.writeable = False  # cached and shared between fits
     return penalty
 
 
@@ -73,7 +69,7 @@ class AdditiveSurrogate:
     def __init__(self, settings: AdditiveSettings, space: SearchSpace, measured: np.ndarray,
                  time_s: np.ndarray, effective_energy_j: np.ndarray) -> None:
         self._space = space
-        self._scales = (_scale(time_s), _scale(effective_energy_j))
+        self._scales = (min_max_bounds(time_s), min_max_bounds(effective_energy_j))
         targets = np.column_stack([(values - low) / span for values, (low, span)
                                    in zip((time_s, effective_energy_j), self._scales, strict=True)])
         design = self._design(np.asarray(measured, dtype=int))

@@ -52,7 +52,8 @@ def _fit(features: np.ndarray, target: np.ndarray, settings: TreeSettings, seed:
     return xgb.train(params, data, num_boost_round=settings.rounds)
 
 
-def _scale(values: np.ndarray) -> tuple[float, float]:
+def min_max_bounds(values: np.ndarray) -> tuple[float, float]:
+    """(low, span) that map `values` onto [0, 1]; a constant maps to 0 with a nonzero span."""
     low = float(values.min())
     span = float(values.max()) - low
     return low, span if span > 0 else max(abs(low), 1e-12)
@@ -71,8 +72,8 @@ class Surrogate:
 
     def __init__(self, settings: TreeSettings, features: np.ndarray, time_s: np.ndarray,
                  effective_energy_j: np.ndarray, *, seed: int = 0) -> None:
-        self._time_scale = _scale(time_s)
-        self._energy_scale = _scale(effective_energy_j)
+        self._time_scale = min_max_bounds(time_s)
+        self._energy_scale = min_max_bounds(effective_energy_j)
         time_n = (time_s - self._time_scale[0]) / self._time_scale[1]
         energy_n = (effective_energy_j - self._energy_scale[0]) / self._energy_scale[1]
         self._time = _fit(features, time_n, settings, seed, -1 if settings.monotone_clock else 0)
@@ -98,8 +99,8 @@ def bootstrap_uncertainty(settings: TreeSettings, features: np.ndarray, time_s: 
     size = max(2, round(fraction * n))
     times, energies = [], []
     # Normalise once with the full data so every member predicts on the same scale.
-    time_n = (time_s - _scale(time_s)[0]) / _scale(time_s)[1]
-    energy_n = (effective_energy_j - _scale(effective_energy_j)[0]) / _scale(effective_energy_j)[1]
+    time_n = (time_s - min_max_bounds(time_s)[0]) / min_max_bounds(time_s)[1]
+    energy_n = (effective_energy_j - min_max_bounds(effective_energy_j)[0]) / min_max_bounds(effective_energy_j)[1]
     for member in range(members):
         rows = rng.choice(n, size=size, replace=True)
         model = Surrogate(settings, features[rows], time_n[rows], energy_n[rows], seed=seed + member)
