@@ -184,7 +184,7 @@ def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, rema
     _, first = np.unique(clock_i[remaining[order]], return_index=True)
     first_at_clock[order[first]] = True
     urgent = first_at_clock & uncovered
-    if on_front.shape[1] <= n_clocks:
+    if space.few_configurations:
         # Few configurations: the end clocks hold the ends of the front (fastest, least effective
         # energy), where a miss costs the most hypervolume; there every configuration that half
         # the clocks or more vote for is urgent, not only the best — a few points in all.

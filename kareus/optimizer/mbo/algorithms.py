@@ -268,7 +268,7 @@ class MultiPassMBO(Algorithm):
                    seed: int) -> Callable[[np.ndarray], Prediction]:
         """The fitted surrogate as a function of grid indices."""
         additive = self.settings.additive
-        if additive is not None and space.configurations <= len(space.clocks_mhz):
+        if additive is not None and space.few_configurations:
             return AdditiveSurrogate(additive, space, measured, time_s, effective_j).predict
         trees = Surrogate(self.settings.trees, space.features[measured], time_s, effective_j, seed=seed)
         return lambda indices: trees.predict(space.features[indices])

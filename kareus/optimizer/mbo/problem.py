@@ -58,6 +58,11 @@ class SearchSpace:
         """Configurations (comm SMs × launch slots) per clock."""
         return len(self.comm_sms) * len(self.launch_slots)
 
+    @property
+    def few_configurations(self) -> bool:
+        """No more configurations than clocks (single-slot grids): the searches treat these apart."""
+        return self.configurations <= len(self.clocks_mhz)
+
     @cached_property
     def axes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per grid index: (clock index, comm-SM index, slot index)."""

@@ -99,8 +99,9 @@ def bootstrap_uncertainty(settings: TreeSettings, features: np.ndarray, time_s: 
     size = max(2, round(fraction * n))
     times, energies = [], []
     # Normalise once with the full data so every member predicts on the same scale.
-    time_n = (time_s - min_max_bounds(time_s)[0]) / min_max_bounds(time_s)[1]
-    energy_n = (effective_energy_j - min_max_bounds(effective_energy_j)[0]) / min_max_bounds(effective_energy_j)[1]
+    (time_low, time_span), (energy_low, energy_span) = min_max_bounds(time_s), min_max_bounds(effective_energy_j)
+    time_n = (time_s - time_low) / time_span
+    energy_n = (effective_energy_j - energy_low) / energy_span
     for member in range(members):
         rows = rng.choice(n, size=size, replace=True)
         model = Surrogate(settings, features[rows], time_n[rows], energy_n[rows], seed=seed + member)
