@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kareus.optimizer.mbo.algorithms import get_algorithm, minimize
-from kareus.optimizer.mbo.indicators import Normaliser, hypervolume, pareto_mask
-from kareus.optimizer.mbo.problem import Problem, SearchSpace
+from kareus.search.algorithms import get_algorithm, minimize
+from kareus.search.indicators import Normaliser, hypervolume, pareto_mask
+from kareus.search.problem import Problem, SearchSpace
 from kareus.sim import Simulator, get_gpu
 from kareus.workload.models import get_preset
 from kareus.workload.partitions import build_workload

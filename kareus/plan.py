@@ -32,9 +32,9 @@ from importlib import resources
 from pathlib import Path
 
 from kareus.errors import KareusError
-from kareus.optimizer.objective import parse_objective, select_point
-from kareus.workload.models import ModelShape
-from kareus.workload.partitions import PartitionConfig, Workload, build_workload
+from kareus.job import PlanJob
+from kareus.objective import parse_objective, select_point
+from kareus.workload.partitions import PartitionConfig, Workload
 
 API_VERSION = "kareus.dev/v1alpha1"
 KIND = "KareusPlan"
@@ -55,87 +55,6 @@ class PlanError(KareusError):
 
 # ---------------------------------------------------------------------------------------------
 # Value objects
-
-
-@dataclass(frozen=True)
-class PlanJob:
-    """What the plan was made for: enough to rebuild the job's `Workload` and check the plan."""
-
-    model: ModelShape
-    gpu: str
-    tensor: int
-    context: int
-    pipeline: int
-    data: int
-    micro_batch_size: int
-    num_micro_batches: int
-    sequence_length: int
-    activation_checkpointing: bool
-    stage_layers: tuple[int, ...]
-    clocks_mhz: tuple[int, ...]
-    p_static_w: float
-    name: str = ""
-    steps: int | None = None
-
-    @property
-    def gpus_per_stage(self) -> int:
-        return self.tensor * self.context * self.data
-
-    @property
-    def num_gpus(self) -> int:
-        return self.gpus_per_stage * self.pipeline
-
-    def workload(self) -> Workload:
-        return _workload(self)
-
-    def to_dict(self) -> dict:
-        out = {
-            "name": self.name,
-            "model": {k: getattr(self.model, k) for k in ModelShape.__dataclass_fields__},
-            "gpu": self.gpu,
-            "tensor": self.tensor,
-            "context": self.context,
-            "pipeline": self.pipeline,
-            "data": self.data,
-            "micro_batch_size": self.micro_batch_size,
-            "num_micro_batches": self.num_micro_batches,
-            "sequence_length": self.sequence_length,
-            "activation_checkpointing": self.activation_checkpointing,
-            "stage_layers": list(self.stage_layers),
-            "clocks_mhz": list(self.clocks_mhz),
-            "p_static_w": self.p_static_w,
-        }
-        if self.steps is not None:
-            out["steps"] = self.steps
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> PlanJob:
-        return cls(
-            model=ModelShape(**data["model"]),
-            gpu=data["gpu"],
-            tensor=data["tensor"],
-            context=data["context"],
-            pipeline=data["pipeline"],
-            data=data["data"],
-            micro_batch_size=data["micro_batch_size"],
-            num_micro_batches=data["num_micro_batches"],
-            sequence_length=data["sequence_length"],
-            activation_checkpointing=data["activation_checkpointing"],
-            stage_layers=tuple(data["stage_layers"]),
-            clocks_mhz=tuple(data["clocks_mhz"]),
-            p_static_w=float(data["p_static_w"]),
-            name=data.get("name", ""),
-            steps=data.get("steps"),
-        )
-
-
-@cache
-def _workload(job: PlanJob) -> Workload:
-    return build_workload(
-        job.model, tp=job.tensor, cp=job.context, pp=job.pipeline, seq_len=job.sequence_length,
-        micro_batch_size=job.micro_batch_size, activation_checkpointing=job.activation_checkpointing,
-        stage_layers=job.stage_layers)
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from functools import cache
 
+from kareus.job import PlanJob
 from kareus.optimizer.composition import compose_stages
 from kareus.optimizer.frontier import FrontierSettings, iteration_frontier
 from kareus.optimizer.sources import SimulatorSource
-from kareus.plan import Plan, PlanJob, Provenance, plan_from_frontier
+from kareus.plan import Plan, Provenance, plan_from_frontier
 from kareus.sim import Simulator, get_gpu
 from kareus.spec import parse_job
 from kareus.workload.models import get_preset

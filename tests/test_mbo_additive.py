@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kareus.optimizer.mbo.additive import AdditiveSettings, AdditiveSurrogate
-from kareus.optimizer.mbo.algorithms import PRESETS, MultiPassMBO
-from kareus.optimizer.mbo.problem import SearchSpace
-from kareus.optimizer.mbo.surrogates import Surrogate
+from kareus.search.additive import AdditiveSettings, AdditiveSurrogate
+from kareus.search.algorithms import PRESETS, MultiPassMBO
+from kareus.search.problem import SearchSpace
+from kareus.search.surrogates import Surrogate
 
 CLOCKS_MHZ = tuple(range(1410, 899, -30))  # descending, as GPUs list them: order must not matter
 SPACE = SearchSpace(CLOCKS_MHZ, tuple(range(3, 31, 3)), ("attn_0",))

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from pymoo.indicators.hv import HV
 
 from kareus.errors import KareusError
-from kareus.optimizer.mbo.acquisition import batch_sizes, fill_batch
-from kareus.optimizer.mbo.algorithms import (
+from kareus.search.acquisition import batch_sizes, fill_batch
+from kareus.search.algorithms import (
     PAPER_BUDGETS,
     Exhaustive,
     MultiPassMBO,
@@ -19,10 +19,10 @@ from kareus.optimizer.mbo.algorithms import (
     get_algorithm,
     minimize,
 )
-from kareus.optimizer.mbo.designs import random_design, stratified_design
-from kareus.optimizer.mbo.indicators import dominance_gap, hvi_2d, hypervolume, pareto_mask
-from kareus.optimizer.mbo.problem import Problem, SearchSpace
-from kareus.optimizer.mbo.testproblems import overlap_problem
+from kareus.search.designs import random_design, stratified_design
+from kareus.search.indicators import dominance_gap, hvi_2d, hypervolume, pareto_mask
+from kareus.search.problem import Problem, SearchSpace
+from kareus.search.testproblems import overlap_problem
 
 points_2d = st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=12)
 
@@ -102,7 +102,7 @@ def _small_problem(noise_std: float = 0.0, seed: int = 0, size_class: str = "med
 
 
 def _hv_ratio(result, reference, p_static_w):
-    from kareus.optimizer.mbo.indicators import Normaliser
+    from kareus.search.indicators import Normaliser
 
     def plane(items):
         return np.array([(e.time_s, e.effective_energy_j) for e in items])
@@ -177,7 +177,7 @@ def test_unknown_algorithm_and_bad_size_class_are_clear_errors():
 
 
 def test_transfer_pass_carries_a_winning_configuration_to_other_clocks():
-    from kareus.optimizer.mbo.acquisition import Planes, transfer_rank
+    from kareus.search.acquisition import Planes, transfer_rank
 
     space = SearchSpace((1410, 1200, 1000), (3, 6, 9), ("a",))
     # Measured: at 1410 and 1200 every configuration; comm_sms=6 is strictly best at both.
@@ -198,7 +198,7 @@ def test_default_preset_does_not_stop_before_a_tenth_of_the_grid():
 
 
 def test_transfer_share_follows_the_configuration_coverage():
-    from kareus.optimizer.mbo.acquisition import adapt_transfer, configuration_coverage
+    from kareus.search.acquisition import adapt_transfer, configuration_coverage
 
     space = SearchSpace((1410, 1200), (3, 6, 9, 12), ("a", "b"))  # 8 configurations per clock
     assert configuration_coverage(space, np.array([0, 1, 8, 9])) == 0.25  # the same two at both clocks
@@ -223,7 +223,7 @@ def test_default_preset_on_a_single_slot_grid_carries_the_winners_to_every_clock
 
 
 def test_carried_quotas_give_every_pass_its_share_over_small_batches():
-    from kareus.optimizer.mbo.acquisition import carried_batch_sizes
+    from kareus.search.acquisition import carried_batch_sizes
 
     fractions = {"transfer": 0.6, "total": 0.15, "effective": 0.1, "extremes": 0.05, "uncertainty": 0.1}
     # Per batch of 4 plain rounding gives the effective and extremes passes nothing, ever.
@@ -258,7 +258,7 @@ def test_default_preset_sweeps_the_middle_clock_on_a_grid_with_few_configuration
 
 
 def test_extremes_pass_explores_next_to_both_ends_of_the_measured_front():
-    from kareus.optimizer.mbo.acquisition import Planes, extremes_rank
+    from kareus.search.acquisition import Planes, extremes_rank
 
     space = SearchSpace((1410, 1200, 1000), (3, 6, 9), ("a",))
     measured = np.array([1, 3, 5])  # (1410, 6) the fastest, (1200, 3) the leanest, (1200, 9)
@@ -277,7 +277,7 @@ def test_extremes_pass_explores_next_to_both_ends_of_the_measured_front():
 
 
 def test_transfer_votes_on_the_surrogate_fit_when_given():
-    from kareus.optimizer.mbo.acquisition import Planes, transfer_rank
+    from kareus.search.acquisition import Planes, transfer_rank
 
     space = SearchSpace((1410, 1200, 1000), (3, 6), ("a",))
     measured = np.array([0, 1, 2, 3])  # both configurations at 1410 and 1200
@@ -294,7 +294,7 @@ def test_transfer_votes_on_the_surrogate_fit_when_given():
 
 
 def test_transfer_measures_the_voted_configurations_at_both_end_clocks_of_a_small_grid():
-    from kareus.optimizer.mbo.acquisition import Planes, transfer_rank
+    from kareus.search.acquisition import Planes, transfer_rank
 
     space = SearchSpace((1410, 1300, 1200, 1100), (3, 6, 9), ("a",))  # 3 configurations, 4 clocks
     measured = np.array([3, 4, 5])  # a sweep at 1300 MHz: 3 SMs lean, 6 SMs fast, 9 SMs dominated

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kareus.optimizer.mbo.algorithms import Exhaustive, get_algorithm, minimize
-from kareus.optimizer.mbo.indicators import Normaliser, hypervolume
-from kareus.optimizer.mbo.problem import Problem, SearchSpace
+from kareus.search.algorithms import Exhaustive, get_algorithm, minimize
+from kareus.search.indicators import Normaliser, hypervolume
+from kareus.search.problem import Problem, SearchSpace
 from kareus.sim import Simulator, get_gpu
 from kareus.workload.models import get_preset
 from kareus.workload.partitions import build_workload

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kareus.errors import KareusError
-from kareus.optimizer.objective import Objective, iteration_budget, parse_objective, select_point
+from kareus.objective import Objective, iteration_budget, parse_objective, select_point
 from kareus.spec import parse_job
 
 FRONT = [(1.0, 10.0), (1.1, 8.0), (1.3, 7.0), (1.6, 6.5)]

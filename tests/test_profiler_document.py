@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kareus.job import describe_job
 from kareus.profiler import (
     ClockCost,
     PartitionPoint,
@@ -18,7 +19,6 @@ from kareus.profiler import (
     ProfileDocument,
     ProfileError,
     Provenance,
-    describe_job,
     profile_job,
     profile_key,
 )

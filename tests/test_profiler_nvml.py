@@ -9,9 +9,9 @@ import pytest
 
 from kareus.errors import KareusError
 from kareus.gpu import discover
-from kareus.optimizer.mbo.problem import Candidate
 from kareus.profiler import kernels
 from kareus.profiler.nvml import NvmlBackend, WindowSettings, locked_clock, measure_window
+from kareus.search.problem import Candidate
 from kareus.workload.models import get_preset
 from kareus.workload.partitions import build_workload
 from tests.fakes import fake_pynvml

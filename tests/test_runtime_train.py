@@ -15,12 +15,12 @@ from kareus import metric_names
 from kareus.cli import main as cli_main
 from kareus.daemon_client import RecordingClockClient
 from kareus.errors import KareusError
+from kareus.job import PlanJob
 from kareus.plan import (
     FrontierRow,
     FrontierTable,
     InstructionOption,
     Plan,
-    PlanJob,
     Prediction,
     Provenance,
     StageOptions,

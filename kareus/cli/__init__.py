@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kareus import __version__
-from kareus.errors import KareusError
+from kareus.launcher import dispatch
 
 # (command or group name, module in kareus.cli, group or None). Order is the order of `--help`.
 COMMANDS: tuple[tuple[str, str, str | None], ...] = (
@@ -92,25 +92,6 @@ def stdout_console():
     from rich.console import Console
 
     return Console(width=None if sys.stdout.isatty() else 140)
-
-
-def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, prog: str = "kareus") -> int:
-    """Parse `argv` and run the chosen command; user errors end as one line on stderr.
-
-    Shared by every Kareus console script, so they all fail the same way.
-    """
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help(sys.stderr)
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except KareusError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return error.exit_code
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

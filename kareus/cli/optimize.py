@@ -14,8 +14,8 @@ import json
 
 from kareus.cli.compare import solver_settings
 from kareus.errors import KareusError
+from kareus.objective import parse_objective
 from kareus.optimizer.frontier import FrontierSettings
-from kareus.optimizer.objective import parse_objective
 from kareus.profiler.document import ProfileDocument
 from kareus.spec import load_job
 

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from kareus.cli import stdout_console
 from kareus.errors import KareusError
-from kareus.optimizer.objective import parse_objective
+from kareus.objective import parse_objective
 from kareus.plan import Instruction, Plan
 
 

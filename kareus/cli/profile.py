@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kareus.errors import KareusError
-from kareus.optimizer.mbo.algorithms import PRESETS
 from kareus.profiler.profile import BACKENDS, ProfileProgress, profile_job
+from kareus.search.algorithms import PRESETS
 from kareus.spec import load_job
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from kareus.cli.sim_sweep import add_workload_arguments, print_table, workload_from
 from kareus.errors import KareusError
-from kareus.optimizer.mbo.algorithms import PRESETS, get_algorithm, minimize
-from kareus.optimizer.mbo.problem import Candidate, Problem, SearchSpace
+from kareus.search.algorithms import PRESETS, get_algorithm, minimize
+from kareus.search.problem import Candidate, Problem, SearchSpace
 from kareus.sim import Measurement, Simulator, get_gpu
 from kareus.sim.sweep import default_clocks, point
 

@@ -1,8 +1,8 @@
-"""The optimizer: from measured partition profiles to an energy-optimal training plan.
+"""The optimizer: from a profile document to an energy-optimal training plan.
 
-`kareus.optimizer.mbo` searches one partition type's configuration grid (clock, comm SMs, launch
-slot) with multi-pass multi-objective Bayesian optimisation; the modules beside it compose the
-measured per-partition frontiers into microbatch and iteration frontiers, choose a plan for the
-job's objective and implement the baselines. The package stays generic: Kareus' partitions live in
-`kareus.workload`, measurement lives in `kareus.profiler`.
+Composition turns the profile's measured per-partition frontiers into microbatch frontiers per
+stage and direction (`composition`, read through a `sources.MeasurementSource`), `frontier` solves
+the 1F1B iteration frontier with lowtime, `planning` applies the job's objective, and `baselines`
+builds the other methods' frontiers with the same code. It reads the profile document
+(`kareus.profiler.document`); nothing below it imports it.
 """

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kareus.errors import KareusError
+from kareus.job import job_spec_of
 from kareus.optimizer import metrics
 from kareus.optimizer.composition import CompositionSettings, MeasurementSource, compose_stages
 from kareus.optimizer.frontier import FrontierSettings, iteration_frontier
-from kareus.optimizer.planning import job_spec_of, plan_job, solver_provenance
+from kareus.optimizer.planning import plan_job, solver_provenance
 from kareus.optimizer.sources import ProfileSource, SimulatorSource, nanobatch_configs
 from kareus.plan import FrontierTable, MethodFrontier, Plan, plan_from_frontier
 from kareus.profiler.document import ProfileDocument

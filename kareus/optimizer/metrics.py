@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kareus.optimizer.mbo.indicators import Normaliser, hypervolume
+from kareus.search.indicators import Normaliser, hypervolume
 
 Point = tuple[float, float]
 

@@ -14,18 +14,13 @@ from typing import Any
 
 from kareus import __version__
 from kareus.errors import KareusError
+from kareus.job import PlanJob, describe_job, gpu_label, job_spec_of
 from kareus.optimizer.composition import CompositionSettings, compose_stages
 from kareus.optimizer.frontier import FrontierSettings, iteration_frontier
 from kareus.optimizer.sources import ProfileSource
-from kareus.plan import FrontierTable, MethodFrontier, Plan, PlanJob, Provenance, plan_from_frontier
+from kareus.plan import FrontierTable, MethodFrontier, Plan, Provenance, plan_from_frontier
 from kareus.profiler.document import ProfileDocument
-from kareus.profiler.key import describe_job, gpu_label
 from kareus.workload.partitions import Workload
-
-
-def job_spec_of(job: Any) -> Any:
-    """The `JobSpec` of a `KareusJob` or the `JobSpec` itself."""
-    return getattr(job, "spec", job)
 
 
 def plan_job(job: Any, profile: ProfileDocument) -> PlanJob:

@@ -10,20 +10,18 @@
 from kareus.profiler.backends import ProfilerBackend, SimBackend
 from kareus.profiler.document import (
     ClockCost,
-    JobDescriptor,
     PartitionPoint,
     PartitionProfile,
     ProfileDocument,
     ProfileError,
     Provenance,
 )
-from kareus.profiler.key import describe_job, profile_key
+from kareus.profiler.key import profile_key
 from kareus.profiler.profile import ProfileProgress, clock_grid, profile_job
 from kareus.profiler.store import ProfileStore
 
 __all__ = [
     "ClockCost",
-    "JobDescriptor",
     "PartitionPoint",
     "PartitionProfile",
     "ProfileDocument",
@@ -34,7 +32,6 @@ __all__ = [
     "Provenance",
     "SimBackend",
     "clock_grid",
-    "describe_job",
     "profile_job",
     "profile_key",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from kareus.optimizer.mbo.problem import Candidate
+from kareus.search.problem import Candidate
 from kareus.workload.partitions import PartitionType, StageWorkload
 
 WORK_KINDS = ("nonpartition", "sequential")

@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kareus.errors import KareusError
-from kareus.optimizer.mbo.indicators import pareto_mask
+from kareus.job import JobDescriptor
+from kareus.search.indicators import pareto_mask
 
 API_VERSION = "kareus.dev/v1alpha1"
 KIND = "KareusProfile"
@@ -73,26 +74,6 @@ class ClockCost(NamedTuple):
 
 # stage index → direction ("forward"/"backward") → clock (MHz) → cost
 StageClockTable = Mapping[int, Mapping[str, Mapping[int, ClockCost]]]
-
-
-@dataclass(frozen=True)
-class JobDescriptor:
-    """The job configuration a profile was measured for (all of it goes into the profile key)."""
-
-    model: str
-    tp: int
-    cp: int
-    pp: int
-    dp: int
-    seq_len: int
-    micro_batch_size: int
-    num_micro_batches: int
-    activation_checkpointing: bool
-    stage_layers: tuple[int, ...]
-
-    @property
-    def gpus_per_stage(self) -> int:
-        return self.tp * self.cp * self.dp
 
 
 @dataclass(frozen=True)

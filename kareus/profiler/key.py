@@ -20,47 +20,16 @@ from dataclasses import asdict
 from typing import Any
 
 from kareus import __version__
-from kareus.profiler.document import JobDescriptor
-from kareus.workload.partitions import split_layers
+from kareus.job import describe_job, gpu_label, job_spec_of
 
 MAX_KEY_CHARS = 63
 _HASH_CHARS = 10
 _UNSAFE = re.compile(r"[^a-z0-9.-]+")
 
 
-def _spec_of(job: Any) -> Any:
-    """Accept a `KareusJob` (with `.spec`) or a `JobSpec`."""
-    return getattr(job, "spec", job)
-
-
-def describe_job(job: Any) -> JobDescriptor:
-    """The `JobDescriptor` of a `KareusJob` or `JobSpec`."""
-    spec = _spec_of(job)
-    par = spec.parallelism
-    shape = spec.model_shape()
-    return JobDescriptor(
-        model=shape.name,
-        tp=int(par.tensor),
-        cp=int(par.context),
-        pp=int(par.pipeline),
-        dp=int(par.data),
-        seq_len=int(spec.sequence_length),
-        micro_batch_size=int(par.micro_batch_size),
-        num_micro_batches=int(par.num_micro_batches),
-        activation_checkpointing=bool(getattr(par, "activation_checkpointing", True)),
-        stage_layers=tuple(split_layers(shape.num_layers, int(par.pipeline))),
-    )
-
-
-def gpu_label(product: str) -> str:
-    """A GPU product name in label form: `NVIDIA-A100-SXM4-40GB` → `a100-sxm4-40gb`."""
-    name = _UNSAFE.sub("-", product.lower()).strip("-.")
-    return name.removeprefix("nvidia-")
-
-
 def profile_key(job: Any, *, software_version: str = __version__) -> str:
     """The stable, label-safe profile key of a `KareusJob` or `JobSpec`."""
-    spec = _spec_of(job)
+    spec = job_spec_of(job)
     descriptor = describe_job(spec)
     gpu = gpu_label(str(spec.gpu_product))
     identity = {

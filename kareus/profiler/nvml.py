@@ -32,8 +32,8 @@ from typing import Any, Protocol
 
 from kareus.errors import KareusError
 from kareus.gpu.device import GPUDevice
-from kareus.optimizer.mbo.problem import Candidate
 from kareus.profiler.backends import ProfilerBackend
+from kareus.search.problem import Candidate
 from kareus.workload.partitions import PartitionType, StageWorkload
 
 

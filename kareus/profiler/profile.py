@@ -18,8 +18,7 @@ from typing import Any
 
 from kareus import __version__
 from kareus.errors import KareusError
-from kareus.optimizer.mbo.algorithms import Algorithm, get_algorithm, minimize
-from kareus.optimizer.mbo.problem import Candidate, Problem, SearchSpace
+from kareus.job import describe_job
 from kareus.profiler.backends import WORK_KINDS, ProfilerBackend, SimBackend
 from kareus.profiler.document import (
     DIRECTIONS,
@@ -29,8 +28,10 @@ from kareus.profiler.document import (
     ProfileDocument,
     Provenance,
 )
-from kareus.profiler.key import describe_job, profile_key
+from kareus.profiler.key import profile_key
 from kareus.profiler.store import ProfileStore
+from kareus.search.algorithms import Algorithm, get_algorithm, minimize
+from kareus.search.problem import Candidate, Problem, SearchSpace
 from kareus.workload.partitions import PartitionType, Workload, build_workload
 
 CLOCK_STEP_MHZ = 30  # neighbours 15 MHz apart differ only marginally (paper, Appendix C)

@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kareus.cli import dispatch
+    from kareus.launcher import dispatch
 
     return dispatch(_build_parser(), argv, prog="kareus-operator")
 

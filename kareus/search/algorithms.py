@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kareus.errors import KareusError
-from kareus.optimizer.mbo.acquisition import (
+from kareus.search.acquisition import (
     Planes,
     adapt_transfer,
     batch_sizes,
@@ -52,11 +52,11 @@ from kareus.optimizer.mbo.acquisition import (
     fill_batch,
     rank_passes,
 )
-from kareus.optimizer.mbo.additive import AdditiveSettings, AdditiveSurrogate
-from kareus.optimizer.mbo.designs import clock_sweep_design, random_design, stratified_design
-from kareus.optimizer.mbo.indicators import Normaliser, hypervolume, pareto_mask
-from kareus.optimizer.mbo.problem import Evaluated, Problem, SearchResult, SearchSpace, Step
-from kareus.optimizer.mbo.surrogates import Prediction, Surrogate, TreeSettings, bootstrap_uncertainty
+from kareus.search.additive import AdditiveSettings, AdditiveSurrogate
+from kareus.search.designs import clock_sweep_design, random_design, stratified_design
+from kareus.search.indicators import Normaliser, hypervolume, pareto_mask
+from kareus.search.problem import Evaluated, Problem, SearchResult, SearchSpace, Step
+from kareus.search.surrogates import Prediction, Surrogate, TreeSettings, bootstrap_uncertainty
 
 
 class _Archive:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kareus.optimizer.mbo.problem import Candidate, Problem, SearchSpace
+from kareus.search.problem import Candidate, Problem, SearchSpace
 
 
 def overlap_problem(*, clocks_mhz: Sequence[int] = tuple(range(900, 1411, 30)),

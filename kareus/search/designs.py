@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kareus.optimizer.mbo.problem import SearchSpace
+from kareus.search.problem import SearchSpace
 
 
 def random_design(space: SearchSpace, n: int, rng: np.random.Generator) -> np.ndarray:

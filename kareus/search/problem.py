@@ -1,7 +1,8 @@
-"""What is searched: one partition type's configuration grid and a way to measure it.
+"""What is searched: a configuration grid and a way to measure it.
 
-A configuration (`Candidate`) is a GPU SM clock, a number of SMs for the communication kernel and
-the launch slot at which the communication starts. The grid is the full cross product of the
+A configuration (`Candidate`) is a point on three axes: a clock, a count of a resource and a
+categorical slot (the profiler reads them as the SM clock, the SMs of the communication kernel and
+the launch slot at which the communication starts). The grid is the full cross product of the
 three axes (`SearchSpace`); a grid point is addressed by its index, clock-major, so the search
 algorithms work on integer arrays and only the measure function sees `Candidate`s.
 
@@ -23,7 +24,7 @@ from kareus.errors import KareusError
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration of a partition type."""
+    """One point of the grid."""
 
     clock_mhz: int
     comm_sms: int
@@ -99,7 +100,7 @@ class SearchSpace:
 
 @dataclass(frozen=True)
 class Problem:
-    """One partition type's search: its grid, how to measure it, and the GPU's static power."""
+    """One search: its grid, how to measure it, and the static power removed from effective energy."""
 
     name: str
     space: SearchSpace

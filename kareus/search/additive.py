@@ -1,6 +1,6 @@
 """An additive surrogate that shares each configuration's effect across clocks.
 
-On a partition type with one launch slot, the best comm-SM count at one clock is usually the best
+On a grid with one slot (a partition type with one launch slot), the best comm-SM count at one clock is usually the best
 or nearly the best at its neighbours: the configurations' effects on time and effective energy
 are offsets on a clock curve that all of them share, changing slowly with the clock (and switching
 where compute stops hiding the collective). Two configurations a noise level apart can then only
@@ -31,8 +31,8 @@ from functools import lru_cache
 import numpy as np
 from scipy.linalg import block_diag
 
-from kareus.optimizer.mbo.problem import SearchSpace
-from kareus.optimizer.mbo.surrogates import Prediction, min_max_bounds
+from kareus.search.problem import SearchSpace
+from kareus.search.surrogates import Prediction, min_max_bounds
 
 
 @dataclass(frozen=True)

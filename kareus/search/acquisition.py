@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kareus.optimizer.mbo.indicators import Normaliser, dominance_gap, hvi_2d, pareto_mask
-from kareus.optimizer.mbo.problem import SearchSpace
+from kareus.search.indicators import Normaliser, dominance_gap, hvi_2d, pareto_mask
+from kareus.search.problem import SearchSpace
 
 PASSES = ("total", "effective", "static", "uncertainty", "transfer", "extremes")
 

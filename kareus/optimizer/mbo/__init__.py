@@ -1,1 +1,0 @@
-"""Per-partition search: multi-pass multi-objective Bayesian optimisation and its baselines."""
