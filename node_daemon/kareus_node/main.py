@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kareus import incluster as in_cluster
 from kareus.errors import KareusError
 from kareus.gpu import BACKENDS, discover
 from kareus_node.auth import Authorizer, KubeletAuthorizer, StandaloneAuthorizer, load_allow_list
@@ -28,7 +29,7 @@ from kareus_node.config import NodeConfig, load_config
 from kareus_node.journal import Journal, JournalError
 from kareus_node.metrics import DaemonMetrics, serve_http
 from kareus_node.podresources import DEFAULT_SOCKET, PodResourcesClient
-from kareus_node.pods import PodDirectory, in_cluster_api_url
+from kareus_node.pods import PodDirectory
 from kareus_node.server import Daemon
 
 log = logging.getLogger("kareus_node")
@@ -130,7 +131,7 @@ def _open_gpus(args: argparse.Namespace) -> list:
 def _authorizer(args: argparse.Namespace, config: NodeConfig) -> Authorizer:
     if args.standalone:
         return StandaloneAuthorizer(load_allow_list(args.allow_list) if args.allow_list else None)
-    api_url = args.kube_api or in_cluster_api_url()
+    api_url = args.kube_api or in_cluster.api_url()
     if not api_url:
         raise KareusError("no Kubernetes API server: run in a pod, pass --kube-api URL, or use --standalone")
     pods = PodDirectory(api_url, args.node_name)

@@ -19,7 +19,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+from kareus.incluster import serviceaccount_dir
+
 JOB_LABEL = "kareus.dev/job-name"  # set by the operator on every pod it creates (kareus_operator.settings.LABEL_JOB)
 MIN_REFRESH_INTERVAL_S = 1.0
 
@@ -40,13 +41,6 @@ class PodRef:
         return self.labels.get(JOB_LABEL, "")
 
 
-def in_cluster_api_url() -> str | None:
-    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
-    if not host or not port:
-        return None
-    return f"https://{host}:{port}" if ":" not in host else f"https://[{host}]:{port}"
-
-
 class PodDirectory:
     """The pods on `node_name` as the API server at `api_url` lists them."""
 
@@ -55,13 +49,14 @@ class PodDirectory:
         api_url: str,
         node_name: str,
         *,
-        token_path: str = f"{SERVICE_ACCOUNT_DIR}/token",
-        ca_path: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt",
+        token_path: str | None = None,
+        ca_path: str | None = None,
         timeout_s: float = 2.0,
     ) -> None:
         selector = urllib.parse.quote(f"spec.nodeName={node_name}")
         self._url = f"{api_url.rstrip('/')}/api/v1/pods?fieldSelector={selector}"
-        self._token_path = token_path
+        self._token_path = token_path or str(serviceaccount_dir() / "token")
+        ca_path = ca_path or str(serviceaccount_dir() / "ca.crt")
         self._context = ssl.create_default_context(cafile=ca_path) if os.path.exists(ca_path) else None
         self._timeout_s = timeout_s
         self._pods: dict[str, PodRef] = {}

@@ -9,7 +9,6 @@ from the pod's service account, like every in-cluster client.
 
 from __future__ import annotations
 
-import os
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,8 +19,7 @@ import aiohttp
 import yaml
 
 from kareus.errors import KareusError
-
-SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+from kareus.incluster import api_url, serviceaccount_dir
 
 
 class ApiError(Exception):
@@ -63,12 +61,11 @@ def load_kubeconfig(path: str | Path, context: str | None = None) -> Credentials
 
 
 def in_cluster_credentials() -> Credentials:
-    """The pod's service account (the dev cluster points `KAREUS_SERVICEACCOUNT_DIR` elsewhere)."""
-    sa = Path(os.environ.get("KAREUS_SERVICEACCOUNT_DIR", SERVICEACCOUNT_DIR))
-    if not (sa / "token").exists() or not (os.environ.get("KAREUS_API_URL") or os.environ.get("KUBERNETES_SERVICE_HOST")):
+    """The pod's service account (`kareus.incluster`: the dev cluster's nodes mount it elsewhere)."""
+    sa = serviceaccount_dir()
+    server = api_url()
+    if not (sa / "token").exists() or server is None:
         raise KareusError(f"not running in a cluster (no service-account token in {sa}): pass --kubeconfig PATH")
-    server = os.environ.get("KAREUS_API_URL") or (
-        f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}")
     ca = sa / "ca.crt"
     namespace = (sa / "namespace").read_text().strip() if (sa / "namespace").exists() else "default"
     return Credentials(server=server.rstrip("/"), token=(sa / "token").read_text().strip(),

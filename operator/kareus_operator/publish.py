@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,8 +28,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kareus.errors import KareusError
+from kareus.incluster import api_url, serviceaccount_dir
+
 PROGRESS_KEY = "progress.json"
-SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 def summarise_progress(lines: Sequence[str]) -> dict[str, Any]:
@@ -64,11 +65,13 @@ class ConfigMapWriter:
 
     def __init__(self, name: str, namespace: str | None, labels: Mapping[str, str],
                  owner: Mapping[str, Any] | None) -> None:
-        sa = Path(os.environ.get("KAREUS_SERVICEACCOUNT_DIR", SERVICEACCOUNT_DIR))
+        sa = serviceaccount_dir()
         self.token = (sa / "token").read_text().strip()
         self.namespace = namespace or (sa / "namespace").read_text().strip()
-        self.server = (os.environ.get("KAREUS_API_URL") or
-                       f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}")
+        server = api_url()
+        if server is None:
+            raise KareusError("publish runs in a pod: KUBERNETES_SERVICE_HOST/PORT are not set")
+        self.server = server
         self.ca_file = str(sa / "ca.crt") if (sa / "ca.crt").exists() else None
         self.name, self.labels, self.owner = name, dict(labels), owner
 
@@ -94,8 +97,13 @@ class ConfigMapWriter:
             import ssl
 
             context = ssl.create_default_context(cafile=self.ca_file)
-        with urllib.request.urlopen(request, timeout=30, context=context) as response:
-            response.read()
+        try:
+            with urllib.request.urlopen(request, timeout=30, context=context) as response:
+                response.read()
+        except urllib.error.HTTPError as error:
+            if error.code == 409:
+                raise
+            raise KareusError(f"{method} {url_path}: {error.code} {_status_message(error)}") from None
 
 
 def _follow(path: Path, writer: ConfigMapWriter, interval_s: float, stop: threading.Event) -> None:
@@ -139,6 +147,14 @@ def _pairs(items: Sequence[str], flag: str) -> dict[str, str]:
     return pairs
 
 
+def _status_message(error: urllib.error.HTTPError) -> str:
+    """The API server's own words (its `Status.message`), which say which permission or rule refused."""
+    try:
+        return json.loads(error.read() or b"{}").get("message") or error.reason
+    except ValueError:
+        return str(error.reason)
+
+
 def _owner(text: str | None) -> dict[str, Any] | None:
     if not text:
         return None
@@ -146,8 +162,10 @@ def _owner(text: str | None) -> dict[str, Any] | None:
     if len(parts) < 4:
         raise SystemExit("kareus-operator publish: --owner: expected APIVERSION/KIND/NAME/UID")
     *api_version, kind, name, uid = parts
-    return {"apiVersion": "/".join(api_version), "kind": kind, "name": name, "uid": uid,
-            "controller": True, "blockOwnerDeletion": True}
+    # No blockOwnerDeletion: setting it needs `update` on kareusjobs/finalizers
+    # (OwnerReferencesPermissionEnforcement), which a worker must not have; garbage collection of
+    # the ConfigMap with its job does not depend on it.
+    return {"apiVersion": "/".join(api_version), "kind": kind, "name": name, "uid": uid, "controller": True}
 
 
 def run(args: argparse.Namespace) -> int:

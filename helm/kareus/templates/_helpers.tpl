@@ -163,7 +163,11 @@ clockBounds:
 {{/* `kareus-node` flags (node_daemon/kareus_node/main.py); paths are the hostPath mounts. */}}
 {{- define "kareus.nodeAgent.args" -}}
 {{- $agent := .Values.nodeAgent -}}
-- --backend=nvml
+- --backend={{ $agent.backend }}
+{{- if eq $agent.backend "sim" }}
+- --sim-gpus={{ $agent.sim.gpus }}
+- --sim-product={{ $agent.sim.product }}
+{{- end }}
 - --config=/etc/kareus-node/config.yaml
 - --socket={{ include "kareus.nodeAgent.socketPath" . }}
 - --state-dir={{ $agent.stateDir }}

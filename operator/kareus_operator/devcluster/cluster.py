@@ -1,329 +1,302 @@
-"""The dev cluster: API emulator + pod runner + Kareus operator + node daemon, on one machine.
+"""The dev cluster: a real control plane, emulated GPU nodes, and Kareus installed from its chart.
 
-`DevCluster` is the library API (async; `async with DevCluster(workdir) as cluster:`), and
-`DevClusterProcess` runs the same thing as a subprocess (`kareus dev-cluster`) for synchronous tests
-and for people: it writes a kubeconfig that the official `kubernetes` client, kopf and kubectl can
-use, and prints `ready` once the CRD is registered and the operator has been started.
+`DevCluster` (synchronous; `with DevCluster(workdir) as cluster:`) starts, in order:
 
-The operator and the node daemon are real subprocesses (`kareus-operator run`, `kareus-node
---backend sim --standalone`), so a test can kill and restart the operator at any moment.
+1. the control plane (`controlplane.ControlPlane`: etcd, kube-apiserver, kube-controller-manager,
+   kube-scheduler of the pinned release) — or joins one a caller already runs;
+2. the emulated GPU nodes (`kubelet.EmulatedNode`, one process each), and waits until the
+   scheduler can see them Ready;
+3. the Helm chart, rendered by the real Helm engine (helm-python-sdk embeds Helm's Go SDK) and
+   applied with kubectl as a release named `kareus` in `kareus-system`: the CRD, RBAC, the node
+   agent DaemonSet (simulated GPUs: `nodeAgent.backend: sim`) and the operator Deployment, which
+   runs as a pod on an emulated node under the chart's ServiceAccount, so RBAC applies to it.
+
+More operator releases (each watching its own namespaces with its own settings) can be installed
+with `install_operator`; tests use that to run fast fake phases beside the real ones.
+`kareus dev-cluster` is `serve()`: it prints the API URL and kubeconfig, then `ready`, and stops
+everything it started on Ctrl-C.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
+import json
 import os
-import shutil
 import signal
-import ssl
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import kmock
 import yaml
-from aiohttp.test_utils import RawTestServer
 
 from kareus.errors import KareusError
-from kareus_operator.devcluster.emulator import CRD_RESOURCE, NAMESPACES, ApiEmulator
-from kareus_operator.devcluster.podrunner import NODE_NAME, PodRunner
+from kareus_operator.devcluster.controlplane import (
+    REPO_ROOT,
+    ControlPlane,
+    free_port,
+    last_lines,
+    stop_process,
+)
 
-NODE_GPUS = 8  # the dev cluster's one node: 8 simulated A100s behind its node daemon
+NODE_NAME = "kareus-dev-node"  # the first node; more are <NODE_NAME>-1, -2, …
+NODE_GPUS = 8
 NODE_GPU_PRODUCT = "A100-SXM4-40GB"
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_CRD = REPO_ROOT / "crds" / "kareusjob.yaml"
-NODES = kmock.resource("", "v1", "nodes")
-DEFAULT_NAMESPACES = ("default", "kareus-system")
-DAEMON_SOCKET_DIR = "/var/run/kareus"  # hostPath on the node; under the dev node's host root here
+CHART = REPO_ROOT / "helm" / "kareus"
+RELEASE, RELEASE_NAMESPACE = "kareus", "kareus-system"
+STARTUP_TIMEOUT_S = 180.0
 
 
-def make_certificate(directory: Path) -> tuple[Path, Path] | None:
-    """A self-signed serving certificate for 127.0.0.1/localhost (openssl), or None without openssl.
-
-    kubectl sends bearer tokens only over TLS, so the dev API serves HTTPS whenever it can.
-    """
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        return None
-    directory.mkdir(parents=True, exist_ok=True)
-    cert, key = directory / "apiserver.crt", directory / "apiserver.key"
-    result = subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "30", "-subj", "/CN=kareus-dev-apiserver",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-         "-addext", "basicConstraints=critical,CA:TRUE"], capture_output=True, check=False)
-    return (cert, key) if result.returncode == 0 else None
+def node_name(index: int) -> str:
+    return NODE_NAME if index == 0 else f"{NODE_NAME}-{index}"
 
 
-class _TlsServer(RawTestServer):
-    """kmock's HTTP server with TLS (aiohttp takes the context at start, kmock passes none)."""
+def node_gpu_uuids(name: str, count: int = NODE_GPUS, product: str = NODE_GPU_PRODUCT) -> list[str]:
+    """UUIDs of a node's simulated GPUs: the device-plugin stand-in hands out exactly those the node
+    agent's simulated backend discovers (both deterministic per node, model and index)."""
+    from kareus.gpu import discover
 
-    def __init__(self, handler: Any, *, tls: ssl.SSLContext, **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
-        self._tls = tls
-
-    async def start_server(self, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> None:
-        await super().start_server(loop=loop, ssl=self._tls, **kwargs)
+    return [gpu.uuid for gpu in discover("sim", count=count, product=product, node=name)]
 
 
-def write_kubeconfig(path: Path, server: str, token: str, ca_file: Path | None = None) -> None:
-    cluster: dict[str, Any] = {"server": server}
-    if ca_file is not None:
-        cluster["certificate-authority"] = str(ca_file)
-    config = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "kareus-dev",
-        "clusters": [{"name": "kareus-dev", "cluster": cluster}],
-        "users": [{"name": "kareus-dev-admin", "user": {"token": token}}],
-        "contexts": [{"name": "kareus-dev", "context": {"cluster": "kareus-dev", "user": "kareus-dev-admin",
-                                                         "namespace": "default"}}],
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    path.chmod(0o600)
+@dataclass
+class Node:
+    """One emulated node's process."""
 
-
-def crd_validator() -> Any:
-    """B's CRD schema engine (defaults, structural schema, CEL) as the emulator's admission check.
-
-    As the API server does by default, fields the schema does not declare are pruned (dropped
-    silently) rather than rejected; everything else the schema or a CEL rule rejects is a 422.
-    An update that leaves `spec` as it was skips the CEL rules (the API server's validation
-    ratcheting: unchanged values that were valid stay valid), which keeps frequent status writes cheap.
-    """
-    from kareus_operator import crdschema
-
-    ratcheted: dict[int, dict[str, Any]] = {}
-
-    def validate(crd: Mapping[str, Any], obj: dict[str, Any], old: Mapping[str, Any] | None) -> list[str]:
-        stored = crdschema.prepare(dict(crd), obj)
-        version = crdschema.served_version(dict(crd), obj.get("apiVersion"))
-        if version is not None:
-            schema = version["schema"]["openAPIV3Schema"]
-            stored = {**prune_unknown(schema, {k: v for k, v in stored.items() if k != "metadata"}),
-                      "apiVersion": stored.get("apiVersion"), "kind": stored.get("kind"),
-                      "metadata": stored.get("metadata", {})}
-        obj.clear()
-        obj.update(stored)
-        rules = dict(crd)
-        if old is not None and stored.get("spec") == old.get("spec"):
-            rules = ratcheted.setdefault(id(crd), _without_rules(dict(crd)))
-        return crdschema.validate_object(rules, obj, dict(old) if old is not None else None)
-
-    return validate
-
-
-def _without_rules(value: Any) -> Any:
-    """A copy of a CRD without its CEL rules."""
-    if isinstance(value, dict):
-        return {k: _without_rules(v) for k, v in value.items() if k != "x-kubernetes-validations"}
-    if isinstance(value, list):
-        return [_without_rules(v) for v in value]
-    return value
-
-
-def prune_unknown(schema: Mapping[str, Any], value: Any) -> Any:
-    """Drop fields a structural schema does not declare (the API server's pruning)."""
-    if isinstance(value, dict):
-        if schema.get("x-kubernetes-preserve-unknown-fields"):
-            return value
-        properties = schema.get("properties") or {}
-        extra = schema.get("additionalProperties")
-        out = {}
-        for key, item in value.items():
-            sub = properties.get(key, extra if isinstance(extra, dict) else None)
-            if sub is not None:
-                out[key] = prune_unknown(sub, item)
-        return out
-    if isinstance(value, list):
-        return [prune_unknown(schema.get("items") or {}, item) for item in value]
-    return value
+    name: str
+    process: subprocess.Popen
+    root: Path
+    log: Path
 
 
 class DevCluster:
-    """Start/stop everything in this event loop; see the module docstring."""
+    """See the module docstring. `stop()` ends every process it started and nothing else."""
 
-    def __init__(self, workdir: str | Path, *, kubeconfig: str | Path | None = None,
-                 crd_path: str | Path | None = DEFAULT_CRD, operator: bool = True, node_daemon: bool = True,
-                 operator_args: Sequence[str] = (), operator_env: Mapping[str, str] | None = None,
-                 pod_env: Mapping[str, str] | None = None, pod_slots: int | None = None,
-                 tls: bool = True) -> None:
+    def __init__(self, workdir: str | Path, *, control_plane: ControlPlane | None = None,
+                 kubeconfig: str | Path | None = None, nodes: int = 1, gpus_per_node: int = NODE_GPUS,
+                 gpu_product: str = NODE_GPU_PRODUCT, taint_gpus: bool = False, operator: bool = True,
+                 node_agent: bool = True, operator_settings: Mapping[str, str] | None = None,
+                 operator_args: Sequence[str] = (), pod_env: Mapping[str, str] | None = None,
+                 worker_namespaces: Sequence[str] = ("default",), watch_namespaces: Sequence[str] = ()) -> None:
+        if nodes < 1:
+            raise KareusError(f"nodes: must be >= 1, got {nodes}")
         self.workdir = Path(workdir)
+        self.owns_control_plane = control_plane is None
+        self.control_plane = control_plane
         self.kubeconfig = Path(kubeconfig) if kubeconfig else self.workdir / "kubeconfig"
-        self.crd_path = Path(crd_path) if crd_path else None
-        self.want_operator, self.want_node_daemon = operator, node_daemon
-        self.operator_args, self.operator_env = list(operator_args), dict(operator_env or {})
-        self.api = ApiEmulator()
-        self.token = self.api.new_token()
+        self.node_count, self.gpus_per_node, self.gpu_product = nodes, gpus_per_node, gpu_product
+        self.taint_gpus = taint_gpus
+        self.want_operator, self.want_node_agent = operator, node_agent
+        self.operator_settings = dict(operator_settings or {})
+        self.operator_args = list(operator_args)
         self.pod_env = dict(pod_env or {})
-        self.pod_slots = pod_slots
-        self.tls = tls
-        self.ca_file: Path | None = None
-        self.server: kmock.Server | None = None
-        self.runner: PodRunner | None = None
-        self.operator_process: subprocess.Popen | None = None
-        self.node_process: subprocess.Popen | None = None
+        self.worker_namespaces, self.watch_namespaces = list(worker_namespaces), list(watch_namespaces)
+        self.nodes: list[Node] = []
+        self._short_root: Path | None = None
 
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return str(self.server.url).rstrip("/")
+    # ------------------------------------------------------------------ lifecycle
 
-    @property
-    def host_root(self) -> Path:
-        return self.workdir / "node" / "host"
-
-    async def __aenter__(self) -> DevCluster:
+    def __enter__(self) -> DevCluster:
         try:
-            await self.start()
+            self.start()
         except BaseException:
-            await self.stop()
+            self.stop()
             raise
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
-    async def start(self) -> None:
+    @property
+    def url(self) -> str:
+        assert self.control_plane is not None
+        return self.control_plane.url
+
+    def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(ImportError):
-            self.api.custom_validator = crd_validator()
-        await self.api.__aenter__()
-        pair = make_certificate(self.workdir / "pki") if self.tls else None
-        if pair is not None:
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            context.load_cert_chain(*pair)
-            self.ca_file = pair[0]
-            self.server = kmock.Server(self.api, server_cls=functools.partial(_TlsServer, tls=context))
-        else:
-            self.server = kmock.Server(self.api)
-        await self.server.__aenter__()
-        self.api.resources.load_bundled()
-        for namespace in DEFAULT_NAMESPACES:
-            await self.api.create(NAMESPACES, None, {"metadata": {"name": namespace}})
-        await self.api.create(NODES, None, {"metadata": {"name": NODE_NAME, "labels": {
-            "kubernetes.io/hostname": NODE_NAME, "nvidia.com/gpu.present": "true",
-            "nvidia.com/gpu.product": f"NVIDIA-{NODE_GPU_PRODUCT}"}},
-            "status": {"capacity": {"nvidia.com/gpu": str(NODE_GPUS)},
-                       "allocatable": {"nvidia.com/gpu": str(NODE_GPUS)}}})
-        if self.crd_path is not None:
-            if not self.crd_path.exists():
-                raise KareusError(f"CRD file {self.crd_path} not found; pass --crd PATH (crds/kareusjob.yaml)")
-            for doc in yaml.safe_load_all(self.crd_path.read_text()):
-                if doc:
-                    await self.api.create(CRD_RESOURCE, None, doc)
-        write_kubeconfig(self.kubeconfig, self.url, self.token, self.ca_file)
-        self.runner = PodRunner(self.api, self.workdir / "node", api_url=self.url, host_root=self.host_root,
-                                extra_env=self.pod_env, pod_slots=self.pod_slots, ca_file=self.ca_file,
-                                gpu_uuids=node_gpu_uuids())
-        await self.runner.start()
-        if self.want_node_daemon:
-            self.node_process = self._start_node_daemon()
-        if self.want_operator:
-            self.start_operator()
+        if self.control_plane is None:
+            self.control_plane = ControlPlane(self.workdir / "control-plane")
+            self.control_plane.start()
+        assert self.control_plane.admin is not None
+        self.kubeconfig.parent.mkdir(parents=True, exist_ok=True)
+        self.kubeconfig.write_text(self.control_plane.admin.kubeconfig.read_text())
+        self.kubeconfig.chmod(0o600)
+        # Unix sockets (the node agent's, pod-resources) live under the nodes' roots: keep them short.
+        self._short_root = Path(tempfile.mkdtemp(prefix="kd-"))
+        for index in range(self.node_count):
+            self.nodes.append(self._start_node(node_name(index)))
+        self._wait_nodes_ready()
+        self.install(RELEASE, RELEASE_NAMESPACE, self.values(operator=self.want_operator,
+                                                             node_agent=self.want_node_agent))
 
-    def start_operator(self) -> subprocess.Popen:
-        """(Re)start the operator subprocess; its log goes to workdir/operator.log."""
-        env = {**os.environ, **self.operator_env}
-        env.setdefault("KAREUS_OPERATOR_NODE_SOCKET_DIR", DAEMON_SOCKET_DIR)
-        log = open(self.workdir / "operator.log", "ab")  # noqa: SIM115  (owned by the process)
-        self.operator_process = subprocess.Popen(
-            [sys.executable, "-m", "kareus_operator.main", "run", "--kubeconfig", str(self.kubeconfig),
-             *self.operator_args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
-        return self.operator_process
+    def stop(self) -> None:
+        for node in self.nodes:
+            stop_process(node.process, grace_s=15.0)
+        self.nodes = []
+        if self.owns_control_plane and self.control_plane is not None:
+            self.control_plane.stop()
+        if self._short_root is not None:
+            subprocess.run(["rm", "-rf", str(self._short_root)], check=False)
+            self._short_root = None
 
-    def kill_operator(self) -> None:
-        """SIGKILL, as a crashing pod or a node failure would."""
-        _kill(self.operator_process, signal.SIGKILL)
-        self.operator_process = None
+    # ------------------------------------------------------------------ nodes
 
-    def _start_node_daemon(self) -> subprocess.Popen | None:
-        exe = shutil.which("kareus-node", path=str(Path(sys.executable).parent))
-        if exe is None:
-            return None
-        socket_dir = self.host_root / DAEMON_SOCKET_DIR.lstrip("/")
-        socket_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / "node-daemon.log", "ab")  # noqa: SIM115
-        process = subprocess.Popen(
-            [exe, "--backend", "sim", "--sim-gpus", str(NODE_GPUS), "--sim-product", NODE_GPU_PRODUCT,
-             "--standalone", "--socket", str(socket_dir / "node.sock"),
-             "--state-dir", str(self.workdir / "node" / "state"), "--node-name", NODE_NAME,
-             "--metrics-address", "127.0.0.1", "--metrics-port", "0"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        return process
+    def _start_node(self, name: str) -> Node:
+        plane = self.control_plane
+        assert plane is not None and plane.ca is not None and self._short_root is not None
+        identity = plane.identity(f"node-{name}", f"system:node:{name}", ("system:nodes",))
+        serving = plane.ca.issue(f"kubelet-{name}", name, server=True, ips=("127.0.0.1",), dns=(name, "localhost"))
+        root = self._short_root / name
+        (self.workdir / "nodes").mkdir(exist_ok=True)
+        link = self.workdir / "nodes" / name
+        if not link.exists():
+            link.symlink_to(root, target_is_directory=True)
+        config = {
+            "spec": {"name": name, "gpus": self.gpus_per_node, "gpu_product": self.gpu_product,
+                     "gpu_uuids": node_gpu_uuids(name, self.gpus_per_node, self.gpu_product) if self.gpus_per_node else [],
+                     "taint_gpus": self.taint_gpus},
+            "root": str(root), "server": plane.url, "ca_file": str(plane.ca_file),
+            "cert_file": str(identity.pair.cert_file), "key_file": str(identity.pair.key_file),
+            "serving_cert_file": str(serving.cert_file), "serving_key_file": str(serving.key_file),
+            "kubelet_port": free_port(), "extra_env": self.pod_env,
+        }
+        config_path = self.workdir / f"node-{name}.json"
+        config_path.write_text(json.dumps(config, indent=1))
+        log_path = self.workdir / f"node-{name}.log"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen([sys.executable, "-m", "kareus_operator.devcluster.kubelet", str(config_path)],
+                                       stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                       start_new_session=True, text=True)
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if line.strip() != "ready":
+            stop_process(process)
+            raise KareusError(f"emulated node {name} did not start: {last_lines(log_path)}")
+        return Node(name, process, root, log_path)
 
-    async def stop(self) -> None:
-        # Both at once: the node daemon must not outlive the cluster however long the operator takes.
-        _kill_all([self.operator_process, self.node_process])
-        if self.runner is not None:
-            await self.runner.stop()
-            self.runner = None
-        if self.server is not None:
-            await self.server.__aexit__(None, None, None)
-            self.server = None
-        if self.api.active:
-            await self.api.__aexit__(None, None, None)
+    def _wait_nodes_ready(self) -> None:
+        names = {node.name for node in self.nodes}
 
+        def ready() -> bool:
+            assert self.control_plane is not None
+            items = self.control_plane.get("/api/v1/nodes")["items"]
+            ready_names = {n["metadata"]["name"] for n in items if any(
+                c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))}
+            return names <= ready_names
 
-def node_gpu_uuids() -> list[str]:
-    """UUIDs of the node daemon's simulated GPUs (deterministic per node, model and index)."""
-    from kareus.gpu import discover
+        self._wait("the emulated nodes to be Ready", ready)
 
-    return [gpu.uuid for gpu in discover("sim", count=NODE_GPUS, product=NODE_GPU_PRODUCT, node=NODE_NAME)]
+    # ------------------------------------------------------------------ the chart
 
+    def values(self, *, operator: bool, node_agent: bool, settings: Mapping[str, str] | None = None,
+               args: Sequence[str] | None = None, worker_namespaces: Sequence[str] | None = None,
+               watch_namespaces: Sequence[str] | None = None, crds: bool = True) -> dict[str, Any]:
+        """Chart values of a dev-cluster release (everything else stays the chart's default)."""
+        settings = self.operator_settings if settings is None else settings
+        return {
+            "crds": {"install": crds},
+            "operator": {"replicas": 1 if operator else 0,
+                         "settings": {k.removeprefix("KAREUS_OPERATOR_"): str(v) for k, v in settings.items()},
+                         "args": {"watchNamespaces": list(self.watch_namespaces if watch_namespaces is None
+                                                          else watch_namespaces),
+                                  "metricsPort": free_port(),
+                                  "extra": list(self.operator_args if args is None else args)}},
+            "workers": {"namespaces": list(self.worker_namespaces if worker_namespaces is None else worker_namespaces)},
+            "nodeAgent": {"enabled": node_agent, "backend": "sim",
+                          "sim": {"gpus": max(self.gpus_per_node, 1), "product": self.gpu_product},
+                          "metricsPort": free_port()},
+        }
 
-def _kill_all(processes: Sequence[subprocess.Popen | None], grace_s: float = 5.0) -> None:
-    """SIGTERM every process group, then SIGKILL what is left after the grace period."""
-    alive = [p for p in processes if p is not None and p.poll() is None]
-    for process in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for process in alive:
+    def render(self, release: str, namespace: str, values: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The chart's objects for these values, as the Helm engine renders them (NOTES dropped)."""
         try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            import helm_python as helm
+        except ImportError as error:
+            raise KareusError(f"the dev cluster renders the chart with helm-python-sdk: {error}") from None
+        with helm.Chart.load(str(CHART)) as chart:
+            manifests = chart.render(dict(values), name=release, namespace=namespace)
+        objects = [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
+                   for doc in yaml.safe_load_all(text) if doc]
+        first = {"Namespace": 0, "CustomResourceDefinition": 1}
+        return sorted(objects, key=lambda obj: first.get(obj["kind"], 2))
+
+    def install(self, release: str, namespace: str, values: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """`helm install`'s effect: namespaces, then the rendered objects applied (CRDs first), then wait
+        for the operator Deployment and the node agent DaemonSet to be available."""
+        objects = self.render(release, namespace, values)
+        for name in {namespace, *values.get("workers", {}).get("namespaces", [])}:
+            self.kubectl("create", "namespace", name, check=False)
+        stream = yaml.safe_dump_all(objects, sort_keys=False)
+        self.kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager=helm-{release}", "-f", "-",
+                     input=stream)
+        for obj in objects:
+            if obj["kind"] == "CustomResourceDefinition":
+                self.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{obj['metadata']['name']}")
+        for obj in objects:
+            if obj["kind"] in ("Deployment", "DaemonSet"):
+                self.kubectl("rollout", "status", f"{obj['kind'].lower()}/{obj['metadata']['name']}",
+                             "-n", obj["metadata"]["namespace"], f"--timeout={int(STARTUP_TIMEOUT_S)}s")
+        return objects
+
+    def install_operator(self, release: str, namespace: str, *, watch_namespaces: Sequence[str],
+                         settings: Mapping[str, str], args: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """Another operator (no node agent, CRD left to the main release) watching only its namespaces."""
+        return self.install(release, namespace, self.values(
+            operator=True, node_agent=False, settings=settings, args=args, worker_namespaces=watch_namespaces,
+            watch_namespaces=watch_namespaces, crds=False))
+
+    def uninstall(self, objects: Sequence[Mapping[str, Any]]) -> None:
+        """Delete what `install` applied, CRDs and namespaces excepted (the chart keeps users' jobs)."""
+        kept = {"CustomResourceDefinition", "Namespace"}
+        stream = yaml.safe_dump_all([o for o in objects if o["kind"] not in kept], sort_keys=False)
+        self.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-", input=stream)
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        assert self.control_plane is not None
+        result = subprocess.run([str(self.control_plane.kubectl()), f"--kubeconfig={self.kubeconfig}", *args],
+                                input=input, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S + 30,
+                                check=False)
+        if check and result.returncode != 0:
+            raise KareusError(f"kubectl {' '.join(args[:3])}: {result.stderr.strip() or result.stdout.strip()}")
+        return result
+
+    def _wait(self, what: str, ready: Any) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            dead = [node for node in self.nodes if node.process.poll() is not None]
+            if dead:
+                raise KareusError(f"emulated node {dead[0].name} exited: {last_lines(dead[0].log)}")
+            if ready():
+                return
+            time.sleep(0.25)
+        raise KareusError(f"timed out waiting for {what}")
 
 
-def _kill(process: subprocess.Popen | None, sig: int) -> None:
-    if process is None or process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, sig)
-    try:
-        process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+def serve(workdir: Path, kubeconfig: Path, **options: Any) -> None:
+    """Run a dev cluster until SIGINT/SIGTERM; prints `ready` once everything is up."""
+    stopping = {"now": False}
 
+    def stop(_signum: int, _frame: Any) -> None:
+        stopping["now"] = True
 
-async def serve(workdir: Path, kubeconfig: Path, **options: Any) -> None:
-    """Run a dev cluster until SIGINT/SIGTERM; prints `ready` once it serves."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with DevCluster(workdir, kubeconfig=kubeconfig, **options) as cluster:
+        signal.signal(sig, stop)
+    with DevCluster(workdir, kubeconfig=kubeconfig, **options) as cluster:
         print(f"API {cluster.url}, kubeconfig {cluster.kubeconfig}", flush=True)
+        print(f"nodes {', '.join(node.name for node in cluster.nodes)}; logs in {workdir}", flush=True)
         print("ready", flush=True)
-        await stop.wait()
+        while not stopping["now"]:
+            time.sleep(0.2)
 
 
 class DevClusterProcess:
-    """`kareus dev-cluster` as a subprocess, for synchronous callers (tests, scripts)."""
+    """`kareus dev-cluster` as a subprocess, for synchronous callers (scripts, benchmarks)."""
 
     def __init__(self, workdir: str | Path, *, extra_args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, startup_timeout_s: float = 60.0) -> None:
+                 env: Mapping[str, str] | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         self.workdir = Path(workdir)
         self.kubeconfig = self.workdir / "kubeconfig"
         self.extra_args, self.env, self.startup_timeout_s = list(extra_args), dict(env or {}), startup_timeout_s
@@ -331,11 +304,11 @@ class DevClusterProcess:
 
     def __enter__(self) -> DevClusterProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kareus", "dev-cluster", "--kubeconfig", str(self.kubeconfig),
-             "--workdir", str(self.workdir), *self.extra_args],
-            stdout=subprocess.PIPE, stderr=open(self.workdir / "dev-cluster.log", "ab"),
-            env={**os.environ, **self.env}, start_new_session=True, text=True)
+        with open(self.workdir / "dev-cluster.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kareus", "dev-cluster", "--kubeconfig", str(self.kubeconfig),
+                 "--workdir", str(self.workdir), *self.extra_args],
+                stdout=subprocess.PIPE, stderr=log, env={**os.environ, **self.env}, start_new_session=True, text=True)
         deadline = time.monotonic() + self.startup_timeout_s
         assert self.process.stdout is not None
         while time.monotonic() < deadline:
@@ -348,7 +321,7 @@ class DevClusterProcess:
         raise RuntimeError(f"dev cluster did not start; see {self.workdir / 'dev-cluster.log'}")
 
     def __exit__(self, *exc: object) -> None:
-        # The dev cluster needs up to its own grace period to stop the operator and the node daemon.
-        _kill_all([self.process], grace_s=20.0)
-        if self.process is not None and self.process.stdout is not None:
-            self.process.stdout.close()
+        if self.process is not None:
+            stop_process(self.process, grace_s=60.0)
+            if self.process.stdout is not None:
+                self.process.stdout.close()
