@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The CPU build of torch; on machines that ship it on disk pip takes that file.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test run lint bench clean
+.PHONY: install kube test run lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,13 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: $(STAMP)
+# The pinned Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+# kubectl), built from the Go module proxy once into ~/.cache/kareus/kube/<version>/bin and reused;
+# KAREUS_KUBE_BIN or KUBEBUILDER_ASSETS name prebuilt binaries instead. About 10 min cold on 2 cores.
+kube:
+	bash tools/kube/build.sh
+
+test: $(STAMP) kube
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 run: $(STAMP)

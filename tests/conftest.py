@@ -63,3 +63,15 @@ def kubectl(control_plane):
         return result
 
     return run
+
+
+@pytest.fixture(scope="session")
+def dev_cluster(control_plane, tmp_path_factory):
+    """The session's cluster: the control plane above, one emulated GPU node (8 simulated A100s) and
+    the chart's platform release (CRD, node agent; operator scaled to 0). Test modules install their
+    own operator releases (`DevCluster.install_operator`), each watching only its namespaces."""
+    from kareus_operator.devcluster.cluster import DevCluster
+
+    with DevCluster(tmp_path_factory.mktemp("devcluster"), control_plane=control_plane, operator=False,
+                    worker_namespaces=()) as cluster:
+        yield cluster

@@ -1,11 +1,14 @@
-"""End to end: `examples/quickstart.yaml` through the official `kubernetes` client on the dev cluster.
+"""End to end: `examples/quickstart.yaml` through the official `kubernetes` client on the real cluster.
 
-`kareus dev-cluster` runs as a subprocess (API emulator, pod runner, the kopf operator, the simulated
-node daemon); pods run the real `kareus profile`, `kareus optimize` and `kareus train --nproc 2`
-(torch + gloo on CPU, simulated GPU energy). Checks: the job succeeds with the documented
-conditions, a plan ConfigMap and measured energy; an identical second job reuses the profile; an
-objective change while training re-selects the plan from the stored frontier; deleting a job
-removes every child; invalid manifests are rejected by the API with the field path.
+The session's dev cluster (real kube-apiserver, controller manager and scheduler, an emulated GPU
+node, the node agent DaemonSet) gets an operator release of the chart watching namespace `e2e`;
+the operator runs as the chart's Deployment pod under its ServiceAccount, and its pods run the real
+`kareus profile`, `kareus optimize` and `kareus train --nproc 2` (torch + gloo on CPU, simulated GPU
+energy). Checks: the job succeeds with the documented conditions, a plan ConfigMap and measured
+energy; an identical second job reuses the profile; an objective change while training re-selects
+the plan from the stored frontier; deleting a job removes every child through the real garbage
+collector; invalid manifests are rejected by the API server with the field path; pods, logs and
+events are read with the official client.
 """
 
 from __future__ import annotations
@@ -17,25 +20,22 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kareus_operator.devcluster.cluster import DevClusterProcess
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
-GROUP, VERSION, PLURAL, NS = "kareus.dev", "v1alpha1", "kareusjobs", "default"
-OPERATOR_ENV = ("KAREUS_OPERATOR_RESYNC_S=2", "KAREUS_OPERATOR_BACKOFF_BASE_S=1",
-                "KAREUS_OPERATOR_PROGRESS_INTERVAL_S=0.5")
+GROUP, VERSION, PLURAL, NS = "kareus.dev", "v1alpha1", "kareusjobs", "e2e"
+SETTINGS = {"RESYNC_S": "2", "BACKOFF_BASE_S": "1", "PROGRESS_INTERVAL_S": "0.5"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("e2e")
-    args = [arg for item in OPERATOR_ENV for arg in ("--operator-env", item)]
-    with DevClusterProcess(workdir, extra_args=args) as dev:
-        api_client = config.new_client_from_config(config_file=str(dev.kubeconfig))
-        yield dev, client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+def cluster(dev_cluster):
+    objects = dev_cluster.install_operator("e2e", "e2e-system", watch_namespaces=[NS], settings=SETTINGS)
+    api_client = config.new_client_from_config(config_file=str(dev_cluster.kubeconfig))
+    yield dev_cluster, client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    dev_cluster.uninstall(objects)
 
 
 def manifest(name: str) -> dict:
@@ -122,15 +122,28 @@ def test_quickstart_end_to_end(cluster):
     assert plan_cm.metadata.owner_references[0].uid == created["metadata"]["uid"]
     measured = done["status"]["measured"]
     assert measured["iterations"] == 8 and measured["energyJoules"] > 0 and measured["averageIterationSeconds"] > 0
-    assert core.read_namespaced_pod_log("quickstart-train-0", NS).strip()
+    assert "kareus train: 8 steps" in core.read_namespaced_pod_log("quickstart-train-0", NS)
+    train_pod = core.read_namespaced_pod("quickstart-train-0", NS)  # the official client's models parse it
+    assert train_pod.status.container_statuses[0].image_id and train_pod.status.container_statuses[0].image
+    assert train_pod.status.container_statuses[0].state.terminated.exit_code == 0
+    reasons = {e.reason for e in core.list_namespaced_event(NS).items if e.involved_object.name == "quickstart"}
+    assert {"PhaseProfiling", "PhaseOptimizing", "PhaseTraining", "PhaseSucceeded"} <= reasons
     finished_second = wait_for(jobs, "quickstart-2", lambda j: phase(j) in ("Succeeded", "Failed"))
     assert finished_second["status"]["phase"] == "Succeeded", finished_second["status"]
 
-    # Deleting the job removes every child; the shared profile cache stays.
+    # Deleting the job removes every child (the garbage collector works asynchronously, as on any
+    # cluster); the shared profile cache stays.
     jobs.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "quickstart")
     wait_for(jobs, "quickstart", lambda j: j is None, timeout_s=60)
     selector = "kareus.dev/job-name=quickstart"
-    assert core.list_namespaced_pod(NS, label_selector=selector).items == []
-    assert core.list_namespaced_config_map(NS, label_selector=selector).items == []
-    assert core.list_namespaced_service(NS, label_selector=selector).items == []
+
+    def children() -> list:
+        return [*core.list_namespaced_pod(NS, label_selector=selector).items,
+                *core.list_namespaced_config_map(NS, label_selector=selector).items,
+                *core.list_namespaced_service(NS, label_selector=selector).items]
+
+    deadline = time.monotonic() + 60
+    while children() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert children() == []
     assert core.read_namespaced_config_map(done["status"]["profile"]["configMap"], NS).data["profile.json"]

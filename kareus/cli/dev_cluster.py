@@ -1,14 +1,16 @@
-"""`kareus dev-cluster`: a local Kubernetes API with the Kareus operator, for development and tests.
+"""`kareus dev-cluster`: a real Kubernetes control plane on this machine, with Kareus installed.
 
-It starts the API emulator (kmock's `KubernetesEmulator`, made realistic), registers the KareusJob
-CRD, runs pods as local processes, starts the operator and a simulated node daemon, writes a
-kubeconfig and prints `ready`. Stop it with Ctrl-C. Nothing listens beyond 127.0.0.1.
+It starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler of the pinned release
+(`make kube` builds them; KAREUS_KUBE_BIN or KUBEBUILDER_ASSETS name prebuilt ones), one or more
+emulated GPU nodes (kubelet stand-ins that run pods as local processes and advertise simulated
+GPUs), and the Helm chart — the CRD, RBAC, the operator Deployment and the node agent DaemonSet —
+then writes an admin kubeconfig and prints `ready`. Ctrl-C stops everything it started.
+Everything listens on 127.0.0.1 only. docs/operator.md says exactly what the nodes emulate.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import tempfile
 from pathlib import Path
@@ -17,19 +19,22 @@ from kareus.errors import KareusError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("dev-cluster", help="run a local Kubernetes API with the Kareus operator",
+    parser = subparsers.add_parser("dev-cluster", help="run a local Kubernetes cluster with Kareus installed",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kubeconfig", required=True, type=Path, help="where to write the kubeconfig")
-    parser.add_argument("--workdir", type=Path, help="pods' sandboxes and logs (default: a temporary directory)")
-    parser.add_argument("--crd", type=Path, help="CRD YAML to register (default: the repository's crds/kareusjob.yaml)")
-    parser.add_argument("--no-operator", action="store_true", help="do not start the operator")
-    parser.add_argument("--no-node-daemon", action="store_true", help="do not start the simulated node daemon")
+    parser.add_argument("--kubeconfig", required=True, type=Path, help="where to write the admin kubeconfig")
+    parser.add_argument("--workdir", type=Path, help="control-plane data, nodes' pods and logs (default: a temporary directory)")
+    parser.add_argument("--nodes", type=int, default=1, metavar="N", help="emulated GPU nodes (default 1)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="nvidia.com/gpu per node (default 8)")
+    parser.add_argument("--gpu-product", default="A100-SXM4-40GB", help="simulated GPU model (default A100-SXM4-40GB)")
+    parser.add_argument("--taint-gpu-nodes", action="store_true", help="taint the nodes nvidia.com/gpu:NoSchedule")
+    parser.add_argument("--no-operator", action="store_true", help="install the chart with the operator scaled to 0")
+    parser.add_argument("--no-node-daemon", action="store_true", help="install the chart without the node agent")
     parser.add_argument("--operator-arg", action="append", default=[], metavar="ARG",
-                        help="extra argument for `kareus-operator run` (repeatable)")
-    parser.add_argument("--operator-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="extra environment variable for the operator (repeatable)")
-    parser.add_argument("--pod-slots", type=int, metavar="N",
-                        help="at most N pods run at once; the rest wait in Pending (default: no limit)")
+                        help="extra argument for `kareus-operator run` (repeatable; chart value operator.args.extra)")
+    parser.add_argument("--operator-env", action="append", default=[], metavar="KAREUS_OPERATOR_NAME=VALUE",
+                        help="operator setting (repeatable; chart value operator.settings)")
+    parser.add_argument("--worker-namespace", action="append", default=[], metavar="NS",
+                        help="namespace that gets the workers' ServiceAccount (repeatable; default: default)")
     parser.set_defaults(func=run)
 
 
@@ -38,22 +43,20 @@ def run(args: argparse.Namespace) -> int:
         from kareus_operator.devcluster import cluster
     except ImportError as error:
         raise KareusError(f"dev-cluster needs the operator extra (pip install 'kareus[operator]'): {error}") from None
-    if args.pod_slots is not None and args.pod_slots < 1:
-        raise KareusError(f"--pod-slots: must be >= 1, got {args.pod_slots}")
-    env = {}
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+        if value < (1 if flag == "--nodes" else 0):
+            raise KareusError(f"{flag}: must be >= {1 if flag == '--nodes' else 0}, got {value}")
+    settings = {}
     for item in args.operator_env:
         name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise KareusError(f"--operator-env: expected NAME=VALUE, got {item!r}")
-        env[name] = value
+        if not sep or not name.startswith("KAREUS_OPERATOR_"):
+            raise KareusError(f"--operator-env: expected KAREUS_OPERATOR_NAME=VALUE, got {item!r}")
+        settings[name] = value
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kareus-dev-"))
-    options = {"operator": not args.no_operator, "node_daemon": not args.no_node_daemon,
-               "operator_args": args.operator_arg, "operator_env": env, "pod_slots": args.pod_slots}
-    if args.crd is not None:
-        if not args.crd.exists():
-            raise KareusError(f"--crd: no such file {args.crd}")
-        options["crd_path"] = args.crd
+    options = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_product": args.gpu_product,
+               "taint_gpus": args.taint_gpu_nodes, "operator": not args.no_operator,
+               "node_agent": not args.no_node_daemon, "operator_args": args.operator_arg,
+               "operator_settings": settings, "worker_namespaces": args.worker_namespace or ["default"]}
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(cluster.serve(workdir, args.kubeconfig, **options))
+        cluster.serve(workdir, args.kubeconfig, **options)
     return 0
-

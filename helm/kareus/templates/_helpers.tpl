@@ -89,7 +89,8 @@ ConfigMaps it owns (the policy ConfigMap is read through the same rule), and the
 {{- define "kareus.operator.rules" -}}
 - apiGroups: ["kareus.dev"]
   resources: ["kareusjobs"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  # delete: ttlSecondsAfterFinished removes the finished job (the real API server said 403 without it)
+  verbs: ["get", "list", "watch", "patch", "update", "delete"]
 - apiGroups: ["kareus.dev"]
   resources: ["kareusjobs/status"]
   verbs: ["get", "patch", "update"]

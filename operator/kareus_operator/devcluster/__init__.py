@@ -1,6 +1,7 @@
 """A Kubernetes cluster on one machine for developing and testing the operator.
 
-`emulator` is the API server (kmock's emulator made realistic), `podrunner` the kubelet (pods as
-local processes), `patching` the patch dialects and selectors, `cluster` puts them together with
-the operator and the node daemon (`kareus dev-cluster`).
+`controlplane` runs the real control plane (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler of the pinned release) with `pki` for its certificates; `kubelet` is an emulated GPU
+node (a kubelet stand-in that runs pods as local processes, with a device-plugin and pod-resources
+stand-in); `cluster` puts them together and installs the Helm chart (`kareus dev-cluster`).
 """

@@ -127,7 +127,9 @@ class DevCluster:
         # Unix sockets (the node agent's, pod-resources) live under the nodes' roots: keep them short.
         self._short_root = Path(tempfile.mkdtemp(prefix="kd-"))
         for index in range(self.node_count):
-            self.nodes.append(self._start_node(node_name(index)))
+            self.nodes.append(self._start_node(node_name(index), gpus=self.gpus_per_node, taint=self.taint_gpus))
+        if self.taint_gpus:  # the operator tolerates no GPU taint: give it a node, as a real cluster has
+            self.nodes.append(self._start_node(f"{NODE_NAME}-cpu", gpus=0, taint=False))
         self._wait_nodes_ready()
         self.install(RELEASE, RELEASE_NAMESPACE, self.values(operator=self.want_operator,
                                                              node_agent=self.want_node_agent))
@@ -144,7 +146,7 @@ class DevCluster:
 
     # ------------------------------------------------------------------ nodes
 
-    def _start_node(self, name: str) -> Node:
+    def _start_node(self, name: str, *, gpus: int, taint: bool) -> Node:
         plane = self.control_plane
         assert plane is not None and plane.ca is not None and self._short_root is not None
         identity = plane.identity(f"node-{name}", f"system:node:{name}", ("system:nodes",))
@@ -155,9 +157,8 @@ class DevCluster:
         if not link.exists():
             link.symlink_to(root, target_is_directory=True)
         config = {
-            "spec": {"name": name, "gpus": self.gpus_per_node, "gpu_product": self.gpu_product,
-                     "gpu_uuids": node_gpu_uuids(name, self.gpus_per_node, self.gpu_product) if self.gpus_per_node else [],
-                     "taint_gpus": self.taint_gpus},
+            "spec": {"name": name, "gpus": gpus, "gpu_product": self.gpu_product,
+                     "gpu_uuids": node_gpu_uuids(name, gpus, self.gpu_product) if gpus else [], "taint_gpus": taint},
             "root": str(root), "server": plane.url, "ca_file": str(plane.ca_file),
             "cert_file": str(identity.pair.cert_file), "key_file": str(identity.pair.key_file),
             "serving_cert_file": str(serving.cert_file), "serving_key_file": str(serving.key_file),
@@ -237,16 +238,30 @@ class DevCluster:
                 self.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{obj['metadata']['name']}")
         for obj in objects:
             if obj["kind"] in ("Deployment", "DaemonSet"):
-                self.kubectl("rollout", "status", f"{obj['kind'].lower()}/{obj['metadata']['name']}",
-                             "-n", obj["metadata"]["namespace"], f"--timeout={int(STARTUP_TIMEOUT_S)}s")
+                ns = obj["metadata"]["namespace"]
+                rollout = self.kubectl("rollout", "status", f"{obj['kind'].lower()}/{obj['metadata']['name']}",
+                                       "-n", ns, f"--timeout={int(STARTUP_TIMEOUT_S)}s", check=False)
+                if rollout.returncode != 0:
+                    raise KareusError(f"{obj['kind']} {ns}/{obj['metadata']['name']} did not become available: "
+                                      f"{rollout.stderr.strip()}\n{self._describe(ns)}")
         return objects
 
+    def _describe(self, namespace: str) -> str:
+        """What a person would look at: the namespace's pods and its latest events."""
+        pods = self.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+        events = self.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout
+        return f"{pods}\n" + "\n".join(events.splitlines()[-15:])
+
     def install_operator(self, release: str, namespace: str, *, watch_namespaces: Sequence[str],
-                         settings: Mapping[str, str], args: Sequence[str] = ()) -> list[dict[str, Any]]:
-        """Another operator (no node agent, CRD left to the main release) watching only its namespaces."""
-        return self.install(release, namespace, self.values(
-            operator=True, node_agent=False, settings=settings, args=args, worker_namespaces=watch_namespaces,
-            watch_namespaces=watch_namespaces, crds=False))
+                         settings: Mapping[str, str], args: Sequence[str] = (),
+                         policy: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Another operator (no node agent, CRD left to the main release) watching only its namespaces,
+        with its own settings and cluster policy (chart value `policy`)."""
+        values = self.values(operator=True, node_agent=False, settings=settings, args=args,
+                             worker_namespaces=watch_namespaces, watch_namespaces=watch_namespaces, crds=False)
+        if policy is not None:
+            values["policy"] = dict(policy)
+        return self.install(release, namespace, values)
 
     def uninstall(self, objects: Sequence[Mapping[str, Any]]) -> None:
         """Delete what `install` applied, CRDs and namespaces excepted (the chart keeps users' jobs)."""

@@ -362,12 +362,17 @@ class EmulatedNode:
         await self._kill(run, grace_s=0.0)
         self._forget(run)
 
-    def _forget(self, run: PodRun) -> None:
-        self.pods.pop(run.uid, None)
+    def _release(self, run: PodRun) -> None:
+        """A pod that ended gives its GPUs back (the device manager reclaims a terminated pod's
+        devices) and its cgroups go; the scheduler already counts it out."""
         for container in run.containers.values():
             self._free_gpus += container.gpus
             container.gpus = []
             _remove_cgroups(container.cgroup)
+
+    def _forget(self, run: PodRun) -> None:
+        self.pods.pop(run.uid, None)
+        self._release(run)
         if run.task is not None and not run.task.done():
             run.task.cancel()
 
@@ -442,6 +447,9 @@ class EmulatedNode:
                 await self._patch_status(run)
         except (ApiError, aiohttp.ClientError, OSError) as error:
             log.warning("pod %s/%s: %s", run.namespace, run.name, error)
+        finally:
+            if run.phase in ("Succeeded", "Failed"):
+                self._release(run)
 
     async def _keep_running(self, run: PodRun, container: Container, policy: str) -> None:
         while True:
