@@ -77,7 +77,8 @@ class DevCluster:
 
     def __init__(self, workdir: str | Path, *, control_plane: ControlPlane | None = None,
                  kubeconfig: str | Path | None = None, nodes: int = 1, gpus_per_node: int = NODE_GPUS,
-                 gpu_product: str = NODE_GPU_PRODUCT, taint_gpus: bool = False, operator: bool = True,
+                 gpu_product: str = NODE_GPU_PRODUCT, taint_gpus: bool = False, pods_per_node: int = 110,
+                 operator: bool = True,
                  node_agent: bool = True, operator_settings: Mapping[str, str] | None = None,
                  operator_args: Sequence[str] = (), pod_env: Mapping[str, str] | None = None,
                  worker_namespaces: Sequence[str] = ("default",), watch_namespaces: Sequence[str] = ()) -> None:
@@ -88,7 +89,7 @@ class DevCluster:
         self.control_plane = control_plane
         self.kubeconfig = Path(kubeconfig) if kubeconfig else self.workdir / "kubeconfig"
         self.node_count, self.gpus_per_node, self.gpu_product = nodes, gpus_per_node, gpu_product
-        self.taint_gpus = taint_gpus
+        self.taint_gpus, self.pods_per_node = taint_gpus, pods_per_node
         self.want_operator, self.want_node_agent = operator, node_agent
         self.operator_settings = dict(operator_settings or {})
         self.operator_args = list(operator_args)
@@ -158,7 +159,8 @@ class DevCluster:
             link.symlink_to(root, target_is_directory=True)
         config = {
             "spec": {"name": name, "gpus": gpus, "gpu_product": self.gpu_product,
-                     "gpu_uuids": node_gpu_uuids(name, gpus, self.gpu_product) if gpus else [], "taint_gpus": taint},
+                     "gpu_uuids": node_gpu_uuids(name, gpus, self.gpu_product) if gpus else [], "taint_gpus": taint,
+                     "max_pods": self.pods_per_node},
             "root": str(root), "server": plane.url, "ca_file": str(plane.ca_file),
             "cert_file": str(identity.pair.cert_file), "key_file": str(identity.pair.key_file),
             "serving_cert_file": str(serving.cert_file), "serving_key_file": str(serving.key_file),
