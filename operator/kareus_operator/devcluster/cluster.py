@@ -41,6 +41,7 @@ from kareus_operator.devcluster.controlplane import (
     last_lines,
     stop_process,
 )
+from kareus_operator.devcluster.kubelet import node_cgroup, remove_cgroups
 
 NODE_NAME = "kareus-dev-node"  # the first node; more are <NODE_NAME>-1, -2, …
 NODE_GPUS = 8
@@ -138,6 +139,9 @@ class DevCluster:
     def stop(self) -> None:
         for node in self.nodes:
             stop_process(node.process, grace_s=15.0)
+            # A node killed before it could end its pods leaves them running, as a dead kubelet does;
+            # the dev cluster must not: whatever is still in the node's cgroups goes with it.
+            remove_cgroups(node_cgroup(node.name, node.process.pid))
         self.nodes = []
         if self.owns_control_plane and self.control_plane is not None:
             self.control_plane.stop()

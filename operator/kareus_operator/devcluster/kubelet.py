@@ -47,6 +47,7 @@ import shutil
 import signal
 import ssl
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -186,7 +187,7 @@ class EmulatedNode:
         self._free_gpus = list(spec.gpu_uuids)
         self._grpc: Any = None
         self._cgroups = _cgroups_usable()
-        self._cgroup_base = CGROUP_ROOT / f"kareus-{spec.name}-{os.getpid()}" / "kubepods"
+        self._cgroup_base = node_cgroup(spec.name, os.getpid()) / "kubepods"
 
     @property
     def pod_resources_socket(self) -> Path:
@@ -220,7 +221,7 @@ class EmulatedNode:
             await self._runner.cleanup()
         if self.kube is not None:
             await self.kube.__aexit__(None, None, None)
-        _remove_cgroups(self._cgroup_base.parent)
+        remove_cgroups(self._cgroup_base.parent)
 
     # ------------------------------------------------------------------ node object
 
@@ -368,7 +369,7 @@ class EmulatedNode:
         for container in run.containers.values():
             self._free_gpus += container.gpus
             container.gpus = []
-            _remove_cgroups(container.cgroup)
+            remove_cgroups(container.cgroup)
 
     def _forget(self, run: PodRun) -> None:
         self.pods.pop(run.uid, None)
@@ -878,6 +879,11 @@ def _exit_code(container: Container) -> int:
     return int(container.state.get("terminated", {}).get("exitCode", 1))
 
 
+def node_cgroup(name: str, pid: int) -> Path:
+    """The cgroup a node (by its process id) puts its pods under."""
+    return CGROUP_ROOT / f"kareus-{name}-{pid}"
+
+
 def _cgroups_usable() -> bool:
     probe = CGROUP_ROOT / f"kareus-probe-{os.getpid()}"
     try:
@@ -897,10 +903,19 @@ def _in_cgroup(path: Path | None, argv: Sequence[str]) -> list[str]:
     return ["/bin/sh", "-c", f'echo $$ > "{path}/cgroup.procs" && exec "$@"', "kareus-container", *argv]
 
 
-def _remove_cgroups(path: Path | None) -> None:
-    """Remove a cgroup tree bottom-up (a cgroup directory goes away only when empty of processes)."""
+def remove_cgroups(path: Path | None) -> None:
+    """Kill what is left in a cgroup tree, then remove it bottom-up, as a kubelet tears a pod's
+    cgroup down: a process that escaped its container's process group (a daemon, an orphan) dies too."""
     if path is None or not path.exists():
         return
+    for procs in path.rglob("cgroup.procs"):
+        with contextlib.suppress(OSError, ValueError):
+            for pid in procs.read_text().split():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while any(procs.read_text().strip() for procs in path.rglob("cgroup.procs")) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for child in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
         with contextlib.suppress(OSError):
             child.rmdir()
