@@ -1,35 +1,48 @@
-"""The KareusJob CRD's shape (what `kubectl explain` and `kubectl get` show) and the schema engine."""
+"""The KareusJob CRD's shape (what `kubectl explain` and `kubectl get` show) and how the real API
+server applies it: pruning, defaulting, which errors block the CEL rules, where the rules report,
+formats, patterns and list keys, metadata, and what a non-strict write does to undeclared fields.
+
+The server is the session's control plane (tests/conftest.py); a dry-run create stores nothing.
+"""
 
 from __future__ import annotations
 
 import copy
 import re
-from pathlib import Path
 
 import pytest
 import yaml
-from kareus_operator.crdschema import (
-    apply_defaults,
-    prepare,
-    prune_nulls,
-    prune_unknown,
-    validate_object,
-    version_schema,
-)
+from crd_server import CRD_FILE, GROUP, PLURAL, ROOT, VERSION, apply_crd, dry_run_create
 
+from kareus.spec.fields import RFC3339
 from kareus.spec.parse import PROFILING_BACKENDS, PROFILING_PRESETS
 from kareus.workload.models import PRESETS
 
-ROOT = Path(__file__).resolve().parents[1]
-CRD = yaml.safe_load((ROOT / "crds" / "kareusjob.yaml").read_text())
-SCHEMA = version_schema(CRD)
+CRD = yaml.safe_load(CRD_FILE.read_text())
+SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SPEC = SCHEMA["properties"]["spec"]
 STATUS = SCHEMA["properties"]["status"]
+CEL_SKIPPED = ("<nil>: Invalid value: null: some validation rules were not checked because the object was "
+               "invalid; correct the existing errors to complete validation")
+
+
+@pytest.fixture(scope="module")
+def kareusjob_crd(kubectl, control_plane) -> dict:
+    return apply_crd(kubectl, control_plane, CRD_FILE)
 
 
 @pytest.fixture
 def job() -> dict:
     return yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+
+
+def refusal_lines(kube_client, manifest: dict) -> list[str]:
+    """The server's refusal of creating `manifest`, one `path: reason` per error."""
+    verdict = dry_run_create(kube_client, manifest)
+    assert not verdict.accepted, verdict.stored
+    # The message is `KareusJob.kareus.dev "name" is invalid: [a, b]` or, for one error, without brackets.
+    errors = verdict.message.split(" is invalid: ", 1)[1]
+    return re.split(r", (?=\S+: )", errors[1:-1]) if errors.startswith("[") else [errors]
 
 
 def walk(schema: dict, path: str = ""):
@@ -54,6 +67,11 @@ def test_names_and_version():
 
 def test_every_field_is_described_and_typed():
     for path, schema in walk(SCHEMA):
+        if path == ".metadata":
+            # The server refuses a CRD whose root metadata has a description (or anything but `type`
+            # and name/generateName); `kubectl explain` shows ObjectMeta's there.
+            assert set(schema) == {"type", "properties"}, schema
+            continue
         assert schema.get("description"), f"{path} has no description"
         assert schema.get("type") or schema.get("x-kubernetes-int-or-string"), f"{path} has no type"
 
@@ -74,6 +92,11 @@ def test_enums_match_the_python_spec():
     profiling = SPEC["properties"]["profiling"]["properties"]
     assert sorted(profiling["backend"]["enum"]) == sorted(PROFILING_BACKENDS)
     assert sorted(profiling["preset"]["enum"]) == sorted(PROFILING_PRESETS)
+
+
+def test_deadline_pattern_is_the_python_specs():
+    deadline = SPEC["properties"]["objective"]["properties"]["timeBudget"]["properties"]["deadline"]
+    assert deadline["pattern"] == f"^{RFC3339.pattern}$" and deadline["format"] == "date-time"
 
 
 def test_cel_preset_tables_match_the_presets():
@@ -117,103 +140,6 @@ def test_printer_columns():
         assert node["type"] == column["type"], column["name"]
 
 
-def test_defaults_fill_what_the_user_left_out(job):
-    stored = prepare(CRD, job)
-    assert stored["spec"]["profiling"] == {"reuse": True, "measurementSeconds": 5, "cooldownSeconds": 5,
-                                           "preset": "default", "backend": "auto"}
-    assert stored["spec"]["gpu"] == {"product": "A100-SXM4-40GB"}
-    assert stored["spec"]["backoffLimit"] == 3 and stored["spec"]["suspend"] is False
-    assert "activeDeadlineSeconds" not in stored["spec"]
-    assert job["spec"].get("profiling") is None  # the input is not modified
-    assert apply_defaults(CRD, job) == stored  # a whole CRD works too (as the dev cluster calls it)
-    user_set = copy.deepcopy(job)
-    user_set["spec"]["profiling"] = {"backend": "sim", "reuse": None}
-    assert prepare(CRD, user_set)["spec"]["profiling"]["backend"] == "sim"
-    assert prepare(CRD, user_set)["spec"]["profiling"]["reuse"] is True  # null pruned, then defaulted
-    assert prune_nulls(SCHEMA, {"spec": {"suspend": None}}) == {"spec": {}}
-
-
-def test_server_style_messages(job):
-    job["spec"]["parallelism"]["tensor"] = 0
-    job["spec"]["profiling"] = {"backend": "rocm"}
-    job["spec"]["extra"] = True
-    errors = validate_object(CRD, job)
-    assert "spec.parallelism.tensor: Invalid value: 0: spec.parallelism.tensor in body should be greater than " \
-           "or equal to 1" in errors
-    assert 'spec.profiling.backend: Unsupported value: "rocm": supported values: "auto", "sim", "nvml"' in errors
-    assert "spec.extra: Forbidden: field not declared in schema" in errors
-
-
-def test_type_errors_skip_cel_like_the_server(job):
-    job["spec"]["parallelism"]["tensor"] = "two"
-    job["spec"]["training"]["nodes"] = 3  # would break the product rule, but CEL does not run
-    errors = validate_object(CRD, job)
-    assert errors[0].startswith('spec.parallelism.tensor: Invalid value: "two": spec.parallelism.tensor in body '
-                                "must be of type integer")
-    assert errors[-1].endswith("some validation rules were not checked because the object was invalid; correct "
-                               "the existing errors to complete validation")
-    assert len(errors) == 2
-
-
-def test_cel_rules_report_at_their_field_path(job):
-    job["spec"]["parallelism"]["data"] = 2
-    job["spec"]["objective"] = {"timeBudget": {}}
-    assert validate_object(CRD, job) == [
-        'spec.parallelism: Invalid value: "object": tensor × pipeline × context × data must equal '
-        "training.nodes × training.gpusPerNode",
-        'spec.objective.timeBudget: Invalid value: "object": must set exactly one time budget of '
-        "maxSlowdownPercent, iterationSeconds, deadline",
-    ]
-
-
-def test_formats_patterns_lists(job):
-    job["spec"]["objective"] = {"timeBudget": {"deadline": "2027-01-01T00:00:00"}}  # no time zone
-    job["spec"]["training"]["env"] = [{"name": "A"}, {"name": "A", "value": "2"}]
-    job["spec"]["training"]["resources"] = {"limits": {"memory": "80Gi", "cpu": 8, "x": "8\n"}}
-    job["spec"]["training"]["command"] = ["x"] * 257
-    errors = "\n".join(validate_object(CRD, job))
-    assert "spec.objective.timeBudget.deadline: Invalid value" in errors and "date-time" in errors
-    assert 'spec.training.env[1]: Duplicate value: {"name": "A"}' in errors
-    assert "spec.training.resources.limits.x: Invalid value" in errors  # `$` is the end of the text
-    assert "spec.training.resources.limits.memory" not in errors and ".cpu" not in errors
-    assert "spec.training.command: Too many: 257: must have at most 256 items" in errors
-
-
-def test_metadata_and_identity(job):
-    job["metadata"] = {"name": "x" * 41, "uid": "abc", "labels": {"a": "b"}}
-    assert validate_object(CRD, job) == ["metadata.name: Too long: may not be more than 40 bytes", "<nil>: Invalid "
-                                         "value: \"null\": some validation rules were not checked because the "
-                                         "object was invalid; correct the existing errors to complete validation"]
-    job["metadata"] = {"generateName": "quick-"}
-    assert validate_object(CRD, job) == []
-    job["kind"] = "Job"
-    assert validate_object(CRD, job)[0] == 'kind: Unsupported value: "Job": supported values: "KareusJob"'
-    job["apiVersion"] = "kareus.dev/v2"
-    assert validate_object(CRD, job) == ['apiVersion: Unsupported value: "kareus.dev/v2": supported values: '
-                                         "kareus.dev/v1alpha1"]
-
-
-def test_spec_is_immutable_once_training_started(job):
-    old = prepare(CRD, job)
-    old["status"] = {"phase": "Training", "trainingStartTime": "2026-01-01T00:00:00Z"}
-    new = copy.deepcopy(old)
-    new["spec"]["objective"] = {"energyBudget": {"perIterationJoules": 1e4}}
-    new["spec"]["suspend"] = True
-    assert validate_object(CRD, new, old) == []
-    for change in ({"backoffLimit": 4}, {"sequenceLength": 128}, {"managedBy": "example.com/other"}):
-        changed = copy.deepcopy(new)
-        changed["spec"].update(change)
-        assert validate_object(CRD, changed, old) == ["spec: Forbidden: is immutable once training started, "
-                                                      "except objective and suspend"]
-    removed = copy.deepcopy(old)
-    del removed["spec"]["gpu"]  # defaulted back to the same value: not a change
-    assert validate_object(CRD, removed, old) == []
-    before_training = copy.deepcopy(old)
-    before_training["status"] = {"phase": "Profiling"}
-    changed["spec"]["sequenceLength"] = 128
-    assert validate_object(CRD, changed, before_training) == []
-
-
 def test_field_reference_lists_every_field():
     """docs/kareusjob.md documents every spec and status field of the CRD."""
     reference = (ROOT / "docs" / "kareusjob.md").read_text()
@@ -230,28 +156,109 @@ def test_immutability_rule_names_every_spec_field_but_objective_and_suspend():
         assert (f"self.spec.{key} == oldSelf.spec.{key}" in rule) == (key not in ("objective", "suspend")), key
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("model", {"preset": "tiny", "layers": 2}), ("sequenceLength", 128), ("parallelism", {"tensor": 2,
-     "microBatchSize": 2, "numMicroBatches": 2}), ("profiling", {"backend": "sim"}), ("gpu", {"product": "H200"}),
-    ("backoffLimit", 0), ("managedBy", "example.com/x"), ("activeDeadlineSeconds", 60),
-    ("ttlSecondsAfterFinished", 5)])
-def test_each_field_is_frozen_by_training(job, field, value):
-    old = prepare(CRD, job)
-    old["status"] = {"trainingStartTime": "2026-01-01T00:00:00Z"}
-    new = copy.deepcopy(old)
-    new["spec"][field] = value
-    immutable = "spec: Forbidden: is immutable once training started, except objective and suspend"
-    assert validate_object(CRD, new, old) == [immutable]
-    new_training = copy.deepcopy(old)
-    new_training["spec"]["training"]["args"] = ["--seed", "1"]
-    assert validate_object(CRD, new_training, old) == [immutable]
+# ----------------------------------------------------------------------------- on the real API server
 
 
-def test_prune_unknown_drops_undeclared_fields_like_a_non_strict_write(job):
-    job["metadata"]["uid"] = "u-1"
+@pytest.mark.usefixtures("kareusjob_crd")
+def test_nulls_are_pruned_before_defaulting(kube_client, job):
+    job["spec"]["profiling"] = {"backend": "sim", "reuse": None}
+    job["spec"]["suspend"] = None
+    stored = dry_run_create(kube_client, job).stored
+    assert stored["spec"]["profiling"] == {"backend": "sim", "reuse": True, "measurementSeconds": 5,
+                                           "cooldownSeconds": 5, "preset": "default"}
+    assert stored["spec"]["suspend"] is False
+
+
+@pytest.mark.usefixtures("kareusjob_crd")
+def test_bounds_and_enums_refuse_at_their_fields(kube_client, job):
+    job["spec"]["parallelism"]["tensor"] = 0
+    job["spec"]["profiling"] = {"backend": "rocm"}
+    errors = refusal_lines(kube_client, job)
+    assert "spec.parallelism.tensor: Invalid value: 0: spec.parallelism.tensor in body should be greater than " \
+           "or equal to 1" in errors
+    assert 'spec.profiling.backend: Unsupported value: "rocm": supported values: "auto", "sim", "nvml"' in errors
+
+
+@pytest.mark.usefixtures("kareusjob_crd")
+def test_type_errors_skip_the_cel_rules(kube_client, job):
+    """What kareus.spec mirrors: a field of the wrong type is the one error, no cross-field ones."""
+    job["spec"]["parallelism"]["tensor"] = "two"
+    job["spec"]["training"]["nodes"] = 3  # would break the product rule, but CEL does not run
+    assert refusal_lines(kube_client, job) == [
+        'spec.parallelism.tensor: Invalid value: "string": spec.parallelism.tensor in body must be of type '
+        'integer: "string"', CEL_SKIPPED]
+
+
+@pytest.mark.usefixtures("kareusjob_crd")
+def test_cel_rules_report_at_their_field_path(kube_client, job):
+    job["spec"]["parallelism"]["data"] = 2
+    job["spec"]["objective"] = {"timeBudget": {}}
+    assert refusal_lines(kube_client, job) == [
+        'spec.parallelism: Invalid value: "object": tensor × pipeline × context × data must equal '
+        "training.nodes × training.gpusPerNode",
+        'spec.objective.timeBudget: Invalid value: "object": must set exactly one time budget of '
+        "maxSlowdownPercent, iterationSeconds, deadline",
+    ]
+
+
+@pytest.mark.usefixtures("kareusjob_crd")
+def test_formats_patterns_and_lists(kube_client, job):
+    job["spec"]["objective"] = {"timeBudget": {"deadline": "2027-01-01T00:00:00"}}  # no time zone
+    job["spec"]["training"]["env"] = [{"name": "A"}, {"name": "A", "value": "2"}]
+    job["spec"]["training"]["resources"] = {"limits": {"memory": "80Gi", "cpu": 8, "x": "8\n"}}
+    job["spec"]["training"]["command"] = ["x"] * 257
+    errors = "\n".join(refusal_lines(kube_client, job))
+    assert "spec.objective.timeBudget.deadline: Invalid value" in errors and "date-time" in errors
+    assert 'spec.training.env[1]: Duplicate value: {"name":"A"}' in errors
+    assert "spec.training.resources.limits.x: Invalid value" in errors  # `$` is the end of the text
+    assert "spec.training.resources.limits.memory" not in errors and ".cpu" not in errors
+    assert "spec.training.command: Too many: 257: must have at most 256 items" in errors
+
+
+@pytest.mark.usefixtures("kareusjob_crd")
+def test_deadline_pattern_refuses_what_cel_cannot_read(kube_client, job):
+    # The date-time format alone lets a lower-case t or z through, and CEL's timestamps cannot read
+    # it (a rule evaluation error at the budget); the pattern names the field itself.
+    job["spec"]["objective"] = {"timeBudget": {"deadline": "2027-01-01t00:00:00z"}}
+    [pattern, cel] = refusal_lines(kube_client, job)
+    assert pattern.startswith('spec.objective.timeBudget.deadline: Invalid value: "2027-01-01t00:00:00z": '
+                              "spec.objective.timeBudget.deadline in body should match '^")
+    assert cel.startswith('spec.objective.timeBudget: Invalid value: "object": Invalid date-time formatted string')
+
+
+@pytest.mark.usefixtures("kareusjob_crd")
+def test_metadata_and_identity(kube_client, job):
+    job["metadata"] = {"name": "x" * 41, "labels": {"a": "b"}}
+    assert refusal_lines(kube_client, job) == ["metadata.name: Too long: may not be more than 40 bytes", CEL_SKIPPED]
+    job["metadata"] = {"generateName": "quick-"}
+    assert re.fullmatch(r"quick-[a-z0-9]{5}", dry_run_create(kube_client, job).stored["metadata"]["name"])
+    job["kind"] = "Job"
+    assert refusal_lines(kube_client, job) == ['kind: Invalid value: "Job": must be KareusJob']
+    job["apiVersion"] = "kareus.dev/v2"
+    assert dry_run_create(kube_client, job).status == 400  # no schema to check it against
+
+
+@pytest.mark.usefixtures("kareusjob_crd")
+def test_a_non_strict_write_drops_undeclared_fields(kube_client, job):
+    """What kopf's patches get (no strict field validation): undeclared fields dropped, not refused."""
     job["spec"]["extra"] = 1
-    job["status"] = {"phase": "Training", "notDeclared": {"x": 1}, "measured": {"iterations": 3, "bogus": 1}}
-    stored = prune_unknown(CRD, job)
-    assert "extra" not in stored["spec"] and stored["metadata"]["uid"] == "u-1"
+    assert dry_run_create(kube_client, job).status == 400
+    stored = dry_run_create(kube_client, job, field_validation="Warn").stored
+    assert "extra" not in stored["spec"] and stored["spec"]["backoffLimit"] == 3
+
+
+@pytest.mark.usefixtures("kareusjob_crd")
+def test_status_keeps_only_declared_fields(kube_client, namespace, job):
+    from kubernetes import client
+
+    api = client.CustomObjectsApi(kube_client)
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
+    status = {"phase": "Training", "notDeclared": {"x": 1}, "measured": {"iterations": 3, "bogus": 1}}
+    stored = api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, "quickstart",
+                                                       {"status": status})
     assert stored["status"] == {"phase": "Training", "measured": {"iterations": 3}}
-    assert validate_object(CRD, stored) == []
+    # A status written with the create is dropped: the status subresource owns it.
+    created = copy.deepcopy(job)
+    created["metadata"]["name"] = "with-status"
+    created["status"] = {"phase": "Succeeded"}
+    assert "status" not in api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, created)

@@ -122,7 +122,7 @@ def test_all_errors_are_reported_with_paths(quickstart):
     (lambda s: s["training"].update(command=["kareus", 7]), "spec.training.command[1]", "string"),
     (lambda s: s.update(gpu={"product": "A100 SXM4"}), "spec.gpu.product", "node label value"),
     (lambda s: s.update(suspend="yes"), "spec.suspend", "true or false"),
-    (lambda s: s["parallelism"].update(tensor=2.0), "spec.parallelism.tensor", "integer"),
+    (lambda s: s["parallelism"].update(tensor=2.5), "spec.parallelism.tensor", "integer"),
     (lambda s: s["parallelism"].update(tensor=True), "spec.parallelism.tensor", "integer"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_rule_violations_name_their_field(quickstart, change, path, fragment):
@@ -130,6 +130,15 @@ def test_rule_violations_name_their_field(quickstart, change, path, fragment):
     errors = errors_of(quickstart)
     assert path in errors, errors
     assert fragment in errors[path]
+
+
+def test_whole_floats_are_integers_as_kubectl_sends_them(quickstart):
+    # YAML's `2.0` reaches the API server as 2 (kubectl writes JSON with Go, which drops the fraction).
+    quickstart["spec"]["parallelism"]["tensor"] = 2.0
+    quickstart["spec"]["training"]["resources"] = {"requests": {"cpu": 4.0}}
+    spec = parse_job(quickstart).spec
+    assert spec.parallelism.tensor == 2 and isinstance(spec.parallelism.tensor, int)
+    assert spec.training.resources.requests == {"cpu": "4"}
 
 
 def test_bare_objective_key_gets_a_hint(quickstart):
@@ -177,6 +186,26 @@ def test_metadata_rules(quickstart):
     assert job.namespace == "ns" and job.labels == {"kueue.x-k8s.io/queue-name": "q"}
     quickstart["extra"] = 1
     assert "extra" in errors_of(quickstart)
+
+
+@pytest.mark.parametrize(("metadata", "problem"), [
+    ({"labels": {"a b": "x"}}, "qualified names"), ({"labels": {"example.com/a/b": "x"}}, "qualified names"),
+    ({"labels": {"app": "two words"}}, "at most 63"), ({"labels": {"app": "x" * 64}}, "at most 63"),
+    ({"annotations": {"-note": "x"}}, "qualified names"), ({"annotations": {"note": "x" * 256 * 1024}}, "bytes"),
+    ({"extra": None}, "unknown field"),
+])
+def test_metadata_is_checked_as_the_api_server_checks_it(quickstart, metadata, problem):
+    quickstart["metadata"].update(metadata)
+    [(path, message)] = errors_of(quickstart).items()
+    assert path.startswith("metadata.") and problem in message
+
+
+def test_metadata_the_api_server_accepts(quickstart):
+    # Annotation keys are checked lower-cased; a null label or annotation value is Go's "".
+    quickstart["metadata"].update(labels={"example.com/app": "", "team": None},
+                                  annotations={"Example.com/Note": "any text", "n": None})
+    job = parse_job(quickstart)
+    assert job.labels == {"example.com/app": "", "team": ""} and job.annotations["n"] == ""
 
 
 @pytest.mark.parametrize("junk", [None, [], "spec", 3, {"spec": []}, {1: 2}, {"apiVersion": 5}])

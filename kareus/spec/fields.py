@@ -6,7 +6,8 @@ a path; its typed getters return the value (or the default) and record a `FieldE
 is missing or does not fit. `finish()` reports the keys nobody asked for: unknown fields are errors,
 as they are for the CRD (a typo such as `microbatchSize` must not silently fall back to a default).
 
-Null values in mappings count as absent, as the Kubernetes API server prunes them before defaulting.
+Null values of known fields count as absent, as the Kubernetes API server prunes them before
+defaulting; an unknown field is an error whatever its value.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from kareus.errors import KareusError
 
 REQUIRED: Any = object()  # sentinel default: the field must be present
 
-# RFC 3339 date-time as the Kubernetes `date-time` format accepts it (a time zone is mandatory).
-RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
+# RFC 3339 date-time as the API server takes it through the CRD's `date-time` format, its CEL
+# timestamps (upper-case T and Z only) and the CRD's pattern (a year from 0001, offsets within a day).
+RFC3339 = re.compile(r"([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-[0-9]{2}-[0-9]{2}T"
+                     r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])")
 
 
 @dataclass(frozen=True)
@@ -52,16 +55,23 @@ def describe(value: Any) -> str:
 
 def parse_rfc3339(text: str) -> datetime | None:
     """The timestamp `text` denotes, or None when it is not an RFC 3339 date-time."""
-    if not RFC3339.match(text):
+    if not RFC3339.fullmatch(text):
         return None
     try:
-        return datetime.fromisoformat(text.replace("z", "Z").replace("t", "T"))
+        return datetime.fromisoformat(text)  # the calendar: no February 30
     except ValueError:
         return None
 
 
 def is_integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def as_integer(value: Any) -> Any:
+    """A whole float as the int it denotes (YAML's `8.0` reaches the server as 8); else `value`."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def is_number(value: Any) -> bool:
@@ -113,6 +123,7 @@ class Fields:
         present, value = self._get(key, default)
         if not present:
             return value
+        value = as_integer(value)
         if not is_integer(value) or not minimum <= value <= maximum:
             self.error(key, f"must be an integer in [{minimum}, {maximum}], got {describe(value)}")
             return None
@@ -175,8 +186,8 @@ class Fields:
         return Fields.of(value, self.at(key), self.errors)
 
     def finish(self) -> None:
-        """Record every key that no getter asked for."""
-        unknown = sorted(set(self.data) - self._known)
+        """Record every key that no getter asked for, null or not (the server's strict decoding does)."""
+        unknown = sorted((set(self.data) | self.null_keys) - self._known)
         allowed = ", ".join(sorted(self._known))
         for key in unknown:
             self.error(key, f"unknown field; allowed here: {allowed}")

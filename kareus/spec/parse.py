@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from kareus.spec.fields import FieldError, Fields, SpecError, describe, is_integer, parse_rfc3339
+from kareus.spec.fields import FieldError, Fields, SpecError, as_integer, describe, is_integer, parse_rfc3339
 from kareus.spec.types import (
     DEFAULT_GPU_PRODUCT,
     EXPLICIT_REQUIRED,
@@ -40,12 +40,19 @@ from kareus.workload.models import PRESETS
 
 MAX_NAME_LENGTH = 40  # children get suffixes such as `-optimize` and pod hashes; 63 is the label limit
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # also the name part of a qualified name
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 DOMAIN_PATH = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)*[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 QUANTITY = re.compile(r"[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?")
 
+# ObjectMeta's other fields (k8s.io/apimachinery meta/v1), which the server sets or checks itself.
+SERVER_METADATA = ("generateName", "selfLink", "uid", "resourceVersion", "generation", "creationTimestamp",
+                   "deletionTimestamp", "deletionGracePeriodSeconds", "ownerReferences", "finalizers",
+                   "managedFields")
 MAX_INT32 = 2**31 - 1
+MAX_ANNOTATIONS_BYTES = 256 * 1024  # apimachinery's TotalAnnotationSizeLimitB
+INT64 = (-(2**63), 2**63 - 1)  # a JSON integer outside is a float to the server, not an integer quantity
 # Upper bounds keep CEL arithmetic far from overflow and catch unit mistakes (seconds vs. ms).
 MODEL_BOUNDS = {"layers": 1024, "hidden": 1 << 20, "ffnHidden": 1 << 22, "heads": 4096, "kvHeads": 4096,
                 "headDim": 4096, "vocab": 1 << 24}
@@ -139,25 +146,54 @@ def _read_job(manifest: Any, errors: list[FieldError]) -> KareusJob | None:
 
 
 def _read_metadata(meta: Fields) -> tuple[str, str, dict[str, str], dict[str, str]] | None:
-    """Name and namespace checked here; other metadata (uid, resourceVersion, …) is the server's."""
+    """Name and namespace checked here; other ObjectMeta fields (uid, resourceVersion, …) are the
+    server's, and a field ObjectMeta lacks is unknown, as the server's strict decoding says."""
     name = meta.string("name", max_length=MAX_NAME_LENGTH, pattern=DNS_LABEL,
                        hint=" (a DNS-1123 label: lower-case letters, digits and '-')")
     namespace = meta.string("namespace", "default", max_length=63, pattern=DNS_LABEL)
-    labels = _string_map(meta, "labels")
-    annotations = _string_map(meta, "annotations")
+    labels = _string_map(meta, "labels", labels=True)
+    annotations = _string_map(meta, "annotations", labels=False)
+    for key in SERVER_METADATA:
+        meta.has(key)
+    meta.finish()
     if None in (name, namespace, labels, annotations):
         return None
     return name, namespace, labels, annotations
 
 
-def _string_map(fields: Fields, key: str) -> dict[str, str] | None:
+def _string_map(fields: Fields, key: str, *, labels: bool) -> dict[str, str] | None:
+    """Labels or annotations, checked as the API server checks ObjectMeta."""
     value = fields.data.get(key, {})
     fields.has(key)
+    if isinstance(value, Mapping):
+        value = {k: "" if v is None else v for k, v in value.items()}  # Go decodes a null string as ""
     if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in value.items()):
         fields.error(key, f"must map strings to strings, got {describe(value)}")
         return None
+    # The server lower-cases annotation keys before checking them, not label keys.
+    bad_key = next((k for k in value if not _qualified_name(k if labels else k.lower())), None)
+    if bad_key is not None:
+        fields.error(key, "keys must be qualified names ([DNS-subdomain prefix/]name, the name at most 63 "
+                          f"letters, digits, '-', '_' or '.'), got {bad_key!r}")
+        return None
+    if labels:
+        bad_value = next((v for v in value.values() if v and not (len(v) <= 63 and LABEL_VALUE.fullmatch(v))), None)
+        if bad_value is not None:
+            fields.error(key, "values must be empty or at most 63 letters, digits, '-', '_' or '.', starting and "
+                              f"ending with a letter or digit, got {bad_value!r}")
+            return None
+    elif sum(len(k.encode()) + len(v.encode()) for k, v in value.items()) > MAX_ANNOTATIONS_BYTES:
+        fields.error(key, f"may hold at most {MAX_ANNOTATIONS_BYTES} bytes of keys and values")
+        return None
     return dict(value)
+
+
+def _qualified_name(key: str) -> bool:
+    prefix, slash, name = key.rpartition("/")
+    if slash and not (len(prefix) <= 253 and DNS_SUBDOMAIN.fullmatch(prefix)):
+        return False
+    return len(name) <= 63 and LABEL_VALUE.fullmatch(name) is not None
 
 
 def _read_spec(value: Any, path: str, errors: list[FieldError]) -> JobSpec | None:
@@ -353,9 +389,9 @@ def _read_resources(res: Fields | None) -> ResourcesSpec | None:
         if section is None:
             continue
         for name in list(section.data):
-            quantity = section.data[name]
+            quantity = as_integer(section.data[name])
             section.has(name)
-            if is_integer(quantity):
+            if is_integer(quantity) and INT64[0] <= quantity <= INT64[1]:
                 parts[key][name] = str(quantity)
             elif isinstance(quantity, str) and QUANTITY.fullmatch(quantity):
                 parts[key][name] = quantity
