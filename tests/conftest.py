@@ -18,8 +18,9 @@ _namespaces = itertools.count()
 
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory):
-    from kareus.errors import KareusError
     from kareus_operator.devcluster.controlplane import ControlPlane, binaries_dir
+
+    from kareus.errors import KareusError
 
     try:
         directory = binaries_dir(build=True)

@@ -173,7 +173,7 @@ def test_the_job_controller_runs_a_batch_job_to_completion(kube_client, namespac
                         "command": [PY, "-c", "import os; print('index', os.environ['JOB_COMPLETION_INDEX'])"]}]}}}}
     batch.create_namespaced_job(namespace, job)
     deadline = time.monotonic() + 90
-    while not (status := batch.read_namespaced_job("two", namespace).status).succeeded == 2:
+    while (status := batch.read_namespaced_job("two", namespace).status).succeeded != 2:
         assert time.monotonic() < deadline and not status.failed, status
         time.sleep(0.3)
     assert {c.type for c in status.conditions if c.status == "True"} >= {"Complete"}
