@@ -74,19 +74,24 @@ class ConfigMapWriter:
         self.server = server
         self.ca_file = str(sa / "ca.crt") if (sa / "ca.crt").exists() else None
         self.name, self.labels, self.owner = name, dict(labels), owner
+        self._exists = False  # after the first write, one PATCH per update (not a 409 and a PATCH)
 
     def write(self, data: Mapping[str, str]) -> None:
         collection = f"/api/v1/namespaces/{self.namespace}/configmaps"
         metadata: dict[str, Any] = {"name": self.name, "labels": self.labels}
         if self.owner:
             metadata["ownerReferences"] = [dict(self.owner)]
-        try:
-            self._send("POST", collection, {"metadata": metadata, "data": dict(data)}, "application/json")
-        except urllib.error.HTTPError as error:
-            if error.code != 409:
-                raise
-            self._send("PATCH", f"{collection}/{self.name}", {"metadata": {"labels": self.labels}, "data": dict(data)},
-                       "application/merge-patch+json")
+        if not self._exists:
+            try:
+                self._send("POST", collection, {"metadata": metadata, "data": dict(data)}, "application/json")
+                self._exists = True
+                return
+            except urllib.error.HTTPError as error:
+                if error.code != 409:
+                    raise
+        self._send("PATCH", f"{collection}/{self.name}", {"metadata": {"labels": self.labels}, "data": dict(data)},
+                   "application/merge-patch+json")
+        self._exists = True
 
     def _send(self, method: str, url_path: str, body: Any, content_type: str) -> None:
         request = urllib.request.Request(
@@ -107,16 +112,18 @@ class ConfigMapWriter:
 
 
 def _follow(path: Path, writer: ConfigMapWriter, interval_s: float, stop: threading.Event) -> None:
+    """Publish the progress summary at most every `interval_s` (the first one within a second of the
+    first step, so a job shows it is training), and once more when the command ends."""
     last: dict[str, Any] | None = None
     while True:
-        stopping = stop.wait(interval_s)
+        stopping = stop.wait(interval_s if last and last.get("iterations") else min(interval_s, 1.0))
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []
         summary = summarise_progress(lines)
         if summary != last:
             try:
                 writer.write({PROGRESS_KEY: json.dumps(summary)})
                 last = summary
-            except (urllib.error.URLError, OSError) as error:
+            except (KareusError, urllib.error.URLError, OSError) as error:
                 print(f"kareus-operator publish: progress not published: {error}", file=sys.stderr)
         if stopping:
             return

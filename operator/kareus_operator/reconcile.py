@@ -36,9 +36,10 @@ from kareus.spec import JobSpec, SpecError, parse_job
 from kareus_operator import conditions as cond
 from kareus_operator import manifests as mf
 from kareus_operator.conditions import Want
-from kareus_operator.kube import Kube, path
+from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
 from kareus_operator.publish import PROGRESS_KEY
+from kareus_operator.refusals import CONDITION_OF_ROLE, ChildRefused, backoff_s, classify
 from kareus_operator.settings import ANNOTATION_PLAN_REVISION, LABEL_ROLE, PLAN_FILE, PROFILE_FILE, Settings
 
 _POLICY_TTL_S = 5.0
@@ -139,6 +140,7 @@ class Reconciler:
     def __init__(self, kube: Kube, settings: Settings, metrics: OperatorMetrics) -> None:
         self.kube, self.settings, self.metrics = kube, settings, metrics
         self._policy: tuple[float, ClusterPolicy] | None = None
+        self._refusals: dict[str, int] = {}  # job uid → refusals in a row (the backoff's exponent)
 
     # ------------------------------------------------------------------ entry
 
@@ -163,13 +165,39 @@ class Reconciler:
             return p.outcome()
         if await self._suspended(p, spec):
             return p.outcome()
-        await self._ensure(mf.spec_configmap(job))
-        if not p.true("Profiled") and not await self._profile(p, spec):
+        try:
+            await self._advance(p, spec)
+        except ChildRefused as refused:
+            self._report_refusal(p, refused)
             return p.outcome()
-        if not p.true("Planned") and not await self._optimize(p, spec):
+        except StaleChild as stale:
+            p.want(stale.condition, False, "StaleChild", str(stale))
+            p.requeue(2.0)
             return p.outcome()
-        await self._train(p, spec)
+        self._refusals.pop(job["metadata"]["uid"], None)
         return p.outcome()
+
+    async def _advance(self, p: _Pass, spec: JobSpec) -> None:
+        if not p.true("Planned"):
+            await self._ensure_spec(p)  # the pods read it; training pods get it before they are created
+        if not p.true("Profiled") and not await self._profile(p, spec):
+            return
+        if not p.true("Planned") and not await self._optimize(p, spec):
+            return
+        await self._train(p, spec)
+
+    def _report_refusal(self, p: _Pass, refused: ChildRefused) -> None:
+        """A False condition naming the cause, an Event with the server's words when it is new, and
+        the next attempt after an exponential backoff (the cause may be fixed at any time)."""
+        uid = p.meta["uid"]
+        attempt = self._refusals.get(uid, 0) + 1
+        self._refusals[uid] = attempt
+        old = cond.find(p.conditions, refused.condition)
+        message = refused.text()
+        if old is None or (old.get("reason"), old.get("message")) != (refused.refusal.reason, message):
+            p.events.append(("Warning", refused.refusal.reason, message))
+        p.want(refused.condition, False, refused.refusal.reason, message)
+        p.requeue(backoff_s(attempt))
 
     # ------------------------------------------------------------------ guards
 
@@ -250,7 +278,7 @@ class Reconciler:
         cache = await self.kube.get(path("v1", "configmaps", p.ns, cm_name))
         cached = PROFILE_FILE in ((cache or {}).get("data") or {})
         pod_name = mf.profile_pod_name(p.name)
-        pod = await self.kube.get(path("v1", "pods", p.ns, pod_name))
+        pod = await self._child(p, "pods", pod_name, "profile")
         if cached and pod is None and reuse:
             self.metrics.profile_cache_hit()
             p.status["profile"]["cacheHit"] = True
@@ -271,11 +299,11 @@ class Reconciler:
 
     async def _optimize(self, p: _Pass, spec: JobSpec) -> bool:
         cm_name = mf.plan_configmap_name(p.name)
-        plan_cm = await self.kube.get(path("v1", "configmaps", p.ns, cm_name))
+        plan_cm = await self._child(p, "configmaps", cm_name, "optimize")
         text = ((plan_cm or {}).get("data") or {}).get(PLAN_FILE)
         pod_name = mf.optimize_pod_name(p.name)
         if text is None:
-            pod = await self.kube.get(path("v1", "pods", p.ns, pod_name))
+            pod = await self._child(p, "pods", pod_name, "optimize")
             key = p.status["profile"]["key"]
             state = await self._run_pod(p, spec, "optimize", pod, lambda: mf.optimize_pod(p.job, self.settings, key))
             if state == "Failed":
@@ -295,9 +323,8 @@ class Reconciler:
 
     async def _train(self, p: _Pass, spec: JobSpec) -> None:
         await self._maybe_reselect(p, spec)
-        await self._ensure(mf.train_service(p.job))
         names = [mf.train_pod_name(p.name, i) for i in range(spec.training.nodes)]
-        pods = [await self.kube.get(path("v1", "pods", p.ns, n)) for n in names]
+        pods = [await self._child(p, "pods", n, "train") for n in names]
         await self._measure(p, spec)
         phases = [pod_phase(pod) for pod in pods]
         p.status.setdefault("trainingStartTime", iso(p.now))
@@ -316,6 +343,9 @@ class Reconciler:
         if any(ph == "Terminating" for ph in phases):
             p.requeue(1.0)
             return
+        if any(pod is None for pod in pods):
+            await self._ensure_spec(p)
+            await self._ensure(mf.train_service(p.job))
         for index, pod in enumerate(pods):
             if pod is None:
                 await self._ensure(mf.train_pod(p.job, spec, self.settings, index))
@@ -335,7 +365,7 @@ class Reconciler:
             return
         p.status["objective"] = wanted  # tried once per change, whatever the result
         cm_name = mf.plan_configmap_name(p.name)
-        cm = await self.kube.get(path("v1", "configmaps", p.ns, cm_name))
+        cm = await self._child(p, "configmaps", cm_name, "train")
         try:
             current = Plan.loads(((cm or {}).get("data") or {})[PLAN_FILE], source=f"ConfigMap {cm_name}")
             done = int(((p.status.get("measured") or {}).get("iterations")) or 0)
@@ -353,7 +383,7 @@ class Reconciler:
         p.events.append(("Normal", "PlanReselected", f"objective {wanted}: {summary.text()}"))
 
     async def _measure(self, p: _Pass, spec: JobSpec) -> None:
-        cm = await self.kube.get(path("v1", "configmaps", p.ns, mf.progress_configmap_name(p.name)))
+        cm = await self._child(p, "configmaps", mf.progress_configmap_name(p.name), "train")
         text = ((cm or {}).get("data") or {}).get(PROGRESS_KEY)
         if not text:
             return
@@ -435,15 +465,63 @@ class Reconciler:
         names += [mf.train_pod_name(p.name, i) for i in range(spec.training.nodes)]
         for name in names:
             pod = await self.kube.get(path("v1", "pods", p.ns, name))
-            if pod_phase(pod) in ("Pending", "Running"):
+            if owned_by(pod, p.meta["uid"]) and pod_phase(pod) in ("Pending", "Running"):
                 await self.kube.delete(path("v1", "pods", p.ns, name))
 
-    async def _ensure(self, body: dict[str, Any]) -> None:
+    async def _child(self, p: _Pass, plural: str, name: str, role: str) -> dict[str, Any] | None:
+        """The child of that name if this job (by UID) owns it; None if there is none.
+
+        A same-named object owned by anyone else — a deleted job's child the garbage collector has
+        not removed yet — is never used: the job waits until it is gone (StaleChild)."""
+        body = await self.kube.get(path("v1", plural, p.ns, name))
+        if body is None or owned_by(body, p.meta["uid"]):
+            return body
+        raise StaleChild(body, role)
+
+    async def _ensure(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Create a child; an existing one must be this job's. A refusal is raised as ChildRefused."""
         plural = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services"}[body["kind"]]
-        await self.kube.create(path("v1", plural, body["metadata"]["namespace"]), body)
+        meta = body["metadata"]
+        try:
+            existing, created = await self.kube.create(path("v1", plural, meta["namespace"]), body)
+        except ApiError as error:
+            refusal = classify(error)
+            if refusal.retryable:
+                raise
+            raise ChildRefused(body["kind"], meta["name"], meta["labels"].get(LABEL_ROLE, ""), refusal) from None
+        owner_uid = meta["ownerReferences"][0]["uid"]
+        if not created and existing is not None and not owned_by(existing, owner_uid):
+            raise StaleChild(existing, meta["labels"].get(LABEL_ROLE, ""))
+        return existing
+
+    async def _ensure_spec(self, p: _Pass) -> None:
+        """The job manifest the pods read; updated when the spec changed before training started."""
+        body = mf.spec_configmap(p.job)
+        existing = await self._ensure(body)
+        if existing is not None and (existing.get("data") or {}) != body["data"]:
+            await self.kube.merge_patch(path("v1", "configmaps", p.ns, body["metadata"]["name"]),
+                                        {"data": body["data"]})
 
 
 # ---------------------------------------------------------------------- pure helpers
+
+
+class StaleChild(Exception):
+    """A child's name is taken by an object this job does not own."""
+
+    def __init__(self, body: Mapping[str, Any], role: str) -> None:
+        meta = body["metadata"]
+        owners = [f"{o.get('kind')} {o.get('name')} (uid {o.get('uid')})" for o in meta.get("ownerReferences") or []]
+        state = "being deleted" if meta.get("deletionTimestamp") else "not yet garbage-collected"
+        super().__init__(f"{body.get('kind', 'object')} {meta['name']} belongs to {', '.join(owners) or 'no owner'}, "
+                         f"not this job; waiting until it is gone ({state})")
+        self.condition = CONDITION_OF_ROLE.get(role, "Profiled")
+
+
+def owned_by(body: Mapping[str, Any] | None, uid: str) -> bool:
+    """Whether `body` names `uid` as its controller owner."""
+    return body is not None and any(o.get("uid") == uid and o.get("controller")
+                                    for o in body["metadata"].get("ownerReferences") or [])
 
 
 def _manifest(job: Mapping[str, Any]) -> dict[str, Any]:

@@ -47,11 +47,15 @@ class Settings:
     policy_namespace: str = "kareus-system"
     node_socket_dir: str = "/var/run/kareus"
     service_account: str = "kareus-worker"
-    resync_s: float = 10.0
+    # A safety net only: children's and the job's own watch events drive reconciles, and backoff,
+    # deadline and TTL wake-ups are timed precisely; a running job costs ~4 requests per pass.
+    resync_s: float = 120.0
     max_concurrent_reconciles: int = 16
     backoff_base_s: float = 10.0
     backoff_max_s: float = 360.0
-    progress_interval_s: float = 1.0
+    # Training progress (train.jsonl summary) is published at most this often: each publish is one
+    # ConfigMap write and one status write.
+    progress_interval_s: float = 30.0
     watch_namespaces: tuple[str, ...] = ()
     extra_pod_env: Mapping[str, str] = field(default_factory=dict)
 

@@ -1,0 +1,136 @@
+"""Refusals are visible and children are adopted by UID only — on the real API server and admission.
+
+Each case makes the real admission chain refuse a child (no ServiceAccount, a ResourceQuota, a Pod
+Security level): the job must show a False condition naming the cause and an Event carrying the
+API server's message within 30 s, and go on by itself once the cause is fixed. A job deleted and
+re-created under the same name while the old children linger (their deletion blocked by a
+finalizer) must never use them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from operator_fakes import QUICKSTART, conditions, settings_env
+
+GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
+NAMESPACES = ["no-sa", "quota", "psa", "stale"]
+BLOCK = "kareus.dev/test-block"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def api(dev_cluster, tmp_path_factory):
+    objects = dev_cluster.install_operator("refuse", "refuse-system", watch_namespaces=NAMESPACES,
+                                           settings=settings_env(tmp_path_factory.mktemp("fakes")))
+    api_client = config.new_client_from_config(config_file=str(dev_cluster.kubeconfig))
+    yield client.CoreV1Api(api_client), client.CustomObjectsApi(api_client)
+    dev_cluster.uninstall(objects)
+
+
+def submit(jobs: client.CustomObjectsApi, namespace: str, name: str = "job") -> dict:
+    job = yaml.safe_load(QUICKSTART.read_text())
+    job["metadata"] = {"name": name, "namespace": namespace}
+    del job["spec"]["training"]["command"]  # the fake train command
+    return jobs.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
+
+
+def wait_job(jobs: client.CustomObjectsApi, namespace: str, check, name: str = "job", timeout_s: float = 90.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    job = None
+    while time.monotonic() < deadline:
+        try:
+            job = jobs.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            job = None
+        if check(job):
+            return job
+        time.sleep(0.3)
+    raise AssertionError(f"{namespace}/{name}: timed out; last status {job and job.get('status')}")
+
+
+def refused_with(reason: str):
+    return lambda job: job is not None and conditions(job).get("Profiled") == ("False", reason)
+
+
+def succeeded(job: dict | None) -> bool:
+    return job is not None and (job.get("status") or {}).get("phase") == "Succeeded"
+
+
+def warning_events(core: client.CoreV1Api, namespace: str, reason: str) -> list[str]:
+    return [e.message for e in core.list_namespaced_event(namespace).items
+            if e.involved_object.kind == "KareusJob" and e.reason == reason and e.type == "Warning"]
+
+
+def assert_refused(core, jobs, namespace: str, reason: str, server_words: str) -> None:
+    started = time.monotonic()
+    job = wait_job(jobs, namespace, refused_with(reason), timeout_s=30)
+    assert time.monotonic() - started <= 30
+    message = next(c["message"] for c in job["status"]["conditions"] if c["type"] == "Profiled")
+    assert server_words in message, message
+    deadline = time.monotonic() + 30
+    while not (events := warning_events(core, namespace, reason)):
+        assert time.monotonic() < deadline, f"no {reason} Event"
+        time.sleep(0.3)
+    assert server_words in events[0]
+
+
+def test_a_missing_service_account_is_reported_and_fixing_it_resumes(api):
+    core, jobs = api
+    core.delete_namespaced_service_account("kareus-worker", "no-sa")
+    submit(jobs, "no-sa")
+    assert_refused(core, jobs, "no-sa", "ServiceAccountMissing", 'serviceaccount "kareus-worker" not found')
+    core.create_namespaced_service_account("no-sa", {"metadata": {"name": "kareus-worker"}})
+    assert succeeded(wait_job(jobs, "no-sa", succeeded))
+
+
+def test_a_resource_quota_is_reported_and_lifting_it_resumes(api):
+    core, jobs = api
+    core.create_namespaced_resource_quota("quota", {"metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}})
+    submit(jobs, "quota")
+    assert_refused(core, jobs, "quota", "QuotaExceeded", "exceeded quota: no-pods")
+    core.delete_namespaced_resource_quota("no-pods", "quota")
+    assert succeeded(wait_job(jobs, "quota", succeeded))
+
+
+def test_pod_security_is_reported_and_relaxing_it_resumes(api):
+    core, jobs = api
+    core.patch_namespace("psa", {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
+    submit(jobs, "psa")
+    assert_refused(core, jobs, "psa", "PodSecurityRejected", 'violates PodSecurity "restricted:latest"')
+    core.patch_namespace("psa", {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "privileged"}}})
+    assert succeeded(wait_job(jobs, "psa", succeeded))
+
+
+def test_a_recreated_job_never_uses_the_old_jobs_children(api):
+    core, jobs = api
+    old = submit(jobs, "stale", "same")
+    wait_job(jobs, "stale", succeeded, name="same")
+    old_plan = core.read_namespaced_config_map("same-plan", "stale")
+    core.patch_namespaced_config_map("same-plan", "stale", {"metadata": {"finalizers": [BLOCK]}})  # GC cannot finish
+    jobs.delete_namespaced_custom_object(GROUP, VERSION, "stale", PLURAL, "same")
+    wait_job(jobs, "stale", lambda job: job is None, name="same")
+    new = submit(jobs, "stale", "same")
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+
+    waiting = wait_job(jobs, "stale", lambda job: job is not None and (conditions(job).get("Planned") or ("",))[0]
+                       == "False" and conditions(job)["Planned"][1] == "StaleChild", name="same", timeout_s=60)
+    assert old["metadata"]["uid"] in next(c["message"] for c in waiting["status"]["conditions"] if c["type"] == "Planned")
+    lingering = core.read_namespaced_config_map("same-plan", "stale")
+    assert lingering.metadata.uid == old_plan.metadata.uid and lingering.metadata.deletion_timestamp is not None
+
+    core.patch_namespaced_config_map("same-plan", "stale", {"metadata": {"finalizers": None}})
+    done = wait_job(jobs, "stale", succeeded, name="same")
+    plan = core.read_namespaced_config_map("same-plan", "stale")
+    assert plan.metadata.uid != old_plan.metadata.uid
+    assert [o.uid for o in plan.metadata.owner_references] == [new["metadata"]["uid"]]
+    assert done["status"]["plan"]["configMap"] == "same-plan"
+    train = core.read_namespaced_pod("same-train-0", "stale")
+    assert [o.uid for o in train.metadata.owner_references] == [new["metadata"]["uid"]]
