@@ -1,20 +1,24 @@
 """Operator at scale on the real control plane: many KareusJobs at once, fake phases, API load per job.
 
-    python bench/operator_scale.py [--jobs 200] [--waves 2] [--pods-per-node 24] [--window-s 30]
+    python bench/operator_scale.py [--jobs 200] [--waves 1] [--pods-per-node 24] [--window-s 60]
 
 `kareus dev-cluster`'s pieces (real kube-apiserver, controller manager, scheduler; one emulated
 node whose `pods` capacity bounds how many pods run at once, as on a full node) with the operator
 installed from the chart as its Deployment pod. Pods run shell stand-ins for the phases (the real
-publish step still writes every result through the API); training runs `--train-s` seconds so a
-steady state exists. Per wave (create all, wait until all succeed, delete all) it prints the time
-until every job was admitted (past Pending) and succeeded, the operator's resident memory beside
-its idle memory, and — measured by the API server itself over `--window-s` seconds of steady
-training — the operator's requests per second per training job:
+publish step still writes every result through the API). Each cadence runs under one operator configuration — the defaults, and the
+cadence of the first build (`legacy`: progress every 1 s, resync every 10 s) — so both are
+measured side by side in one run. Per cadence it first lets `--steady-jobs` long jobs train and
+measures, by the API server's own counters over `--window-s` seconds in which nothing else
+happens, per training job:
 
-- `apiserver_flowcontrol_dispatched_requests_total` of a FlowSchema that matches only the
-  operator's ServiceAccount (what the operator sent, whatever the resource);
-- `apiserver_request_total` for kareusjobs, which only the operator reads and writes (the
-  kubelet stand-in and the workers never touch them), by verb.
+- operator requests/s: `apiserver_flowcontrol_dispatched_requests_total` of a FlowSchema that
+  matches only the operator's ServiceAccount (whatever the resource);
+- writes/min: `apiserver_request_total` for POST/PUT/PATCH/DELETE on kareusjobs (only the operator
+  writes them) and on configmaps (the workers' progress; the emulated node writes none);
+
+then runs `--waves` waves of `--jobs` short jobs (create all, wait until all succeed, delete all)
+and prints the time until every job was admitted (past Pending) and succeeded, and the operator's
+resident memory beside its idle memory.
 """
 
 from __future__ import annotations
@@ -44,24 +48,29 @@ PLAN = json.dumps({"predicted": {"iteration_time_s": 0.25, "iteration_energy_j":
 FLOW_SCHEMA = "kareus-operator-bench"
 
 
-def fake_settings(train_s: float) -> dict[str, str]:
-    """Operator settings that make pods run shell one-liners instead of the real phases."""
-    steps = max(1, int(train_s))
-    train = (f'for i in $(seq 0 {steps - 1}); do printf \'%s\\n\' "$(printf \'{STEP}\' $i)" >> "$5/train.jsonl"; '
-             'sleep 1; done')
+CADENCES = {"default": {}, "legacy": {"RESYNC_S": "10", "PROGRESS_INTERVAL_S": "1"}}
+WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def fake_settings(cadence: str) -> dict[str, str]:
+    """Operator settings that make pods run shell one-liners instead of the real phases; training
+    writes one step a second for $FAKE_TRAIN_S seconds (a job's spec.training.env sets it)."""
+    train = ('for i in $(seq 1 "${FAKE_TRAIN_S:-5}"); do printf \'%s\\n\' "$(printf \'' + STEP + '\' $i)" '
+             '>> "$5/train.jsonl"; sleep 1; done')
     return {
         "PROFILE_COMMAND": json.dumps(["sh", "-c", 'echo \'{"fake": true}\' > "$1"', "sh", "{profile}"]),
         "OPTIMIZE_COMMAND": json.dumps(["sh", "-c", 'printf "%s" "$FAKE_PLAN" > "$1"', "sh", "{plan}"]),
         "TRAIN_COMMAND": json.dumps(["sh", "-c", train, "sh"]),
-        "EXTRA_POD_ENV": json.dumps({"FAKE_PLAN": PLAN}),
-        "RESYNC_S": "15", "PROGRESS_INTERVAL_S": "0.5",
+        "EXTRA_POD_ENV": json.dumps({"FAKE_PLAN": PLAN}), **CADENCES[cadence],
     }
 
 
-def job_manifest(wave: int, index: int) -> dict:
+def job_manifest(wave: int, index: int, train_s: float | None = None) -> dict:
     job = yaml.safe_load(QUICKSTART.read_text())
     job["metadata"] = {"name": f"scale-{wave}-{index:03d}", "namespace": NAMESPACE}
     del job["spec"]["training"]["command"]
+    if train_s is not None:
+        job["spec"]["training"]["env"] = [{"name": "FAKE_TRAIN_S", "value": str(int(train_s))}]
     return job
 
 
@@ -88,17 +97,18 @@ class ApiServerMetrics:
         self.context.load_cert_chain(str(plane.admin.pair.cert_file), str(plane.admin.pair.key_file))
 
     def counters(self) -> dict[str, float]:
-        """`operator` (requests of the operator's FlowSchema) and `kareusjobs <verb>` counts."""
+        """`operator requests` (the operator's FlowSchema) and `<resource> writes` counts."""
         with urllib.request.urlopen(self.url, context=self.context, timeout=30) as response:
             text = response.read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("apiserver_flowcontrol_dispatched_requests_total{") and f'flow_schema="{FLOW_SCHEMA}"' in line:
-                out["operator"] = out.get("operator", 0.0) + float(line.rsplit(" ", 1)[1])
-            elif line.startswith("apiserver_request_total{") and 'resource="kareusjobs"' in line:
-                verb = re.search(r'verb="(\w+)"', line)
-                key = f"kareusjobs {verb.group(1) if verb else '?'}"
-                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+                out["operator requests"] = out.get("operator requests", 0.0) + float(line.rsplit(" ", 1)[1])
+            elif line.startswith("apiserver_request_total{"):
+                resource, verb = re.search(r'resource="(\w*)"', line), re.search(r'verb="(\w+)"', line)
+                if resource and verb and resource.group(1) in ("kareusjobs", "configmaps") and verb.group(1) in WRITE_VERBS:
+                    key = f"{resource.group(1)} writes"
+                    out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 
 
@@ -143,12 +153,13 @@ async def steady_load(kube: Kube, metrics: ApiServerMetrics, window_s: float) ->
     training = (counts_before.get("Training", 0) + counts_after.get("Training", 0)) / 2
     if training < 1:
         return None
-    load = {key: (after.get(key, 0.0) - before.get(key, 0.0)) / elapsed / training for key in after}
-    return {"training_jobs": training, **load}
+    per_s = {key: (after.get(key, 0.0) - before.get(key, 0.0)) / elapsed / training for key in after}
+    return {"training_jobs": training, "operator requests/s": per_s.get("operator requests", 0.0),
+            "kareusjobs writes/min": 60 * per_s.get("kareusjobs writes", 0.0),
+            "configmaps writes/min": 60 * per_s.get("configmaps writes", 0.0)}
 
 
-async def run_wave(kube: Kube, metrics: ApiServerMetrics, wave: int, jobs: int, window_s: float,
-                   timeout_s: float) -> dict:
+async def run_wave(kube: Kube, wave: int, jobs: int, timeout_s: float) -> dict:
     started = time.monotonic()
     gate = asyncio.Semaphore(20)
 
@@ -157,7 +168,7 @@ async def run_wave(kube: Kube, metrics: ApiServerMetrics, wave: int, jobs: int, 
             await kube.request("POST", JOBS, job_manifest(wave, i))
 
     await asyncio.gather(*(create(i) for i in range(jobs)))
-    result: dict = {"created_s": time.monotonic() - started, "admitted_s": None, "done_s": None, "load": None}
+    result: dict = {"created_s": time.monotonic() - started, "admitted_s": None, "done_s": None}
     while time.monotonic() - started < timeout_s:
         counts = await phases(kube)
         if result["admitted_s"] is None and counts.get("None", 0) + counts.get("Pending", 0) == 0:
@@ -166,10 +177,7 @@ async def run_wave(kube: Kube, metrics: ApiServerMetrics, wave: int, jobs: int, 
             result["done_s"] = time.monotonic() - started
             break
         print(f"  wave {wave} t={time.monotonic() - started:6.1f}s  {dict(sorted(counts.items()))}", flush=True)
-        if result["load"] is None and counts.get("Training", 0) >= 2:
-            result["load"] = await steady_load(kube, metrics, window_s)
-        else:
-            await asyncio.sleep(2.0)
+        await asyncio.sleep(2.0)
     return result
 
 
@@ -180,47 +188,58 @@ async def delete_all(kube: Kube) -> None:
         await asyncio.sleep(1.0)
 
 
-async def measure(cluster: DevCluster, jobs: int, waves: int, window_s: float, timeout_s: float) -> list[dict]:
+async def measure(cluster: DevCluster, cadence: str, jobs: int, waves: int, steady_jobs: int, window_s: float,
+                  settle_s: float, timeout_s: float) -> list[dict]:
     metrics = ApiServerMetrics(cluster)
     async with Kube(load_kubeconfig(cluster.kubeconfig)) as kube:
         sampler = RssSampler(operator_process())
         sampling = asyncio.create_task(sampler.run())
         await asyncio.sleep(3.0)
         idle_mib = max(sampler.samples)
+        load = await steady_load(kube, metrics, steady_jobs, window_s, settle_s, train_s=window_s + settle_s + 120)
         results = []
         for wave in range(waves):
-            result = await run_wave(kube, metrics, wave, jobs, window_s, timeout_s)
+            result = await run_wave(kube, wave, jobs, timeout_s)
             await asyncio.sleep(2.0)
-            results.append({**result, "rss_end_mib": sampler.samples[-1], "rss_peak_mib": max(sampler.samples),
-                            "rss_idle_mib": idle_mib})
-            if wave + 1 < waves:
-                await delete_all(kube)
+            results.append({**result, "cadence": cadence, "load": load, "rss_end_mib": sampler.samples[-1],
+                            "rss_peak_mib": max(sampler.samples), "rss_idle_mib": idle_mib})
+            await delete_all(kube)
         sampling.cancel()
     return results
 
 
-def main(jobs: int, waves: int, pods_per_node: int, window_s: float, train_s: float, timeout_s: float) -> int:
+def main(args: argparse.Namespace, cadences: list[str]) -> int:
+    jobs, waves, pods_per_node = args.jobs, args.waves, args.pods_per_node
     workdir = Path(tempfile.mkdtemp(prefix="kareus-scale-"))
-    cluster = DevCluster(workdir, node_agent=False, pods_per_node=pods_per_node, operator_settings=fake_settings(train_s),
-                         worker_namespaces=[NAMESPACE])
+    # Each fake job asks for the quickstart's 2 GPUs: the node has enough for every pod it can hold.
+    cluster = DevCluster(workdir, node_agent=False, pods_per_node=pods_per_node, gpus_per_node=2 * pods_per_node,
+                         operator_settings=fake_settings(cadences[0]), worker_namespaces=[NAMESPACE])
+    results = []
     with cluster:
         cluster.kubectl("apply", "-f", "-", input=json.dumps(operator_flow_schema()))
-        results = asyncio.run(measure(cluster, jobs, waves, window_s, timeout_s))
-    idle = results[0]["rss_idle_mib"]
-    print(f"\n{jobs} KareusJobs created at once per wave, {waves} wave(s), {pods_per_node} pods per node; "
-          f"operator idle RSS {idle:.1f} MiB")
-    print("wave | API create s | all admitted s | all Succeeded s | RSS end MiB | RSS peak MiB | peak/idle")
-    for wave, r in enumerate(results):
-        print(f"{wave:4d} | {r['created_s']:12.1f} | {_num(r['admitted_s']):>14} | {_num(r['done_s']):>15} | "
-              f"{r['rss_end_mib']:11.1f} | {r['rss_peak_mib']:12.1f} | {r['rss_peak_mib'] / idle:9.2f}")
-    print("\nsteady-state API load per training job (the API server's own counters, requests/s):")
-    for wave, r in enumerate(results):
+        for cadence in cadences:
+            if cadence != cadences[0]:  # `helm upgrade` with the other settings: a rolled-out operator pod
+                cluster.install(RELEASE, RELEASE_NAMESPACE, cluster.values(
+                    operator=True, node_agent=False, settings=fake_settings(cadence)))
+                time.sleep(5.0)  # the old pod's process is gone before the new one is sampled
+            results += asyncio.run(measure(cluster, cadence, jobs, waves, args.steady_jobs, args.window_s,
+                                           args.settle_s, args.timeout_s))
+    print(f"\n{jobs} KareusJobs created at once per wave, {pods_per_node} pods per node")
+    print("cadence | wave | API create s | all admitted s | all Succeeded s | RSS idle MiB | RSS peak MiB | peak/idle")
+    for r in results:
+        print(f"{r['cadence']:>7} | {results.index(r):4d} | {r['created_s']:12.1f} | {_num(r['admitted_s']):>14} | "
+              f"{_num(r['done_s']):>15} | {r['rss_idle_mib']:12.1f} | {r['rss_peak_mib']:12.1f} | "
+              f"{r['rss_peak_mib'] / r['rss_idle_mib']:9.2f}")
+    print(f"\nsteady-state API load per training job, {args.steady_jobs} jobs training, {args.window_s:.0f} s window "
+          "(the API server's own counters):")
+    print("cadence | jobs training | operator requests/s | kareusjobs writes/min | configmaps writes/min")
+    for r in results:
         load = r["load"]
         if load is None:
-            print(f"  wave {wave}: no steady training window")
+            print(f"{r['cadence']:>7} | no steady training window")
             continue
-        parts = ", ".join(f"{key} {value:.3f}" for key, value in sorted(load.items()) if key != "training_jobs")
-        print(f"  wave {wave}: {load['training_jobs']:.0f} jobs training; {parts}")
+        print(f"{r['cadence']:>7} | {load['training_jobs']:13.0f} | {load['operator requests/s']:19.3f} | "
+              f"{load['kareusjobs writes/min']:21.2f} | {load['configmaps writes/min']:21.2f}")
     return 0 if all(r["done_s"] is not None for r in results) else 1
 
 
@@ -231,10 +250,16 @@ def _num(value: float | None) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=200)
-    parser.add_argument("--waves", type=int, default=2, help="create, finish and delete this many times")
-    parser.add_argument("--pods-per-node", type=int, default=24, help="the node's pods capacity (the operator's pod included)")
-    parser.add_argument("--window-s", type=float, default=30.0, help="steady-state measurement window")
-    parser.add_argument("--train-s", type=float, default=40.0, help="how long each fake training runs")
+    parser.add_argument("--waves", type=int, default=1, help="waves per cadence: create, finish and delete")
+    parser.add_argument("--cadences", default="default,legacy",
+                        help=f"operator configurations to measure, comma-separated, of {', '.join(CADENCES)}")
+    parser.add_argument("--pods-per-node", type=int, default=40, help="the node's pods capacity (the operator's pod included)")
+    parser.add_argument("--steady-jobs", type=int, default=10, help="jobs training during the steady-state window")
+    parser.add_argument("--window-s", type=float, default=120.0, help="steady-state measurement window")
+    parser.add_argument("--settle-s", type=float, default=15.0, help="wait after all steady jobs train")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     args = parser.parse_args()
-    raise SystemExit(main(args.jobs, args.waves, args.pods_per_node, args.window_s, args.train_s, args.timeout_s))
+    chosen = [c for c in args.cadences.split(",") if c]
+    if not chosen or any(c not in CADENCES for c in chosen):
+        parser.error(f"--cadences: choose from {', '.join(CADENCES)}, got {args.cadences!r}")
+    raise SystemExit(main(args, chosen))

@@ -1,15 +1,18 @@
 """kopf wiring: thin handlers that route events to the `Reconciler` and write its status.
 
-- every KareusJob event, and a resync timer, reconcile that job;
+- every KareusJob event reconciles that job, and a resync loop (one LIST per `resync_s`) every job
+  — not kopf timers, which would put a finalizer on every job;
 - events of pods and ConfigMaps labelled with a job name reconcile their job (children's changes
   drive progress without polling);
-- a deletion handler (under the `kareus.dev/finalizer`) forgets the job's metrics; the children go
-  with the job through ownerReferences.
+- a job's DELETED event forgets its metrics; the children go with the job through
+  ownerReferences. There is no deletion handler, hence no finalizer: nothing has to happen
+  before a job may go, so an uninstalled operator never blocks a job's (or its namespace's)
+  deletion.
 
 One job is reconciled by one task at a time (events arriving meanwhile collapse into one more
 pass), always from a freshly read body, and
 the status is written only when it changed — so the write's own watch event ends the loop.
-kopf keeps its progress, diff-base and finalizer under the `kareus.dev` prefix.
+kopf keeps its progress and diff-base under the `kareus.dev` prefix.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Controller:
         # MaxConcurrentReconciles); the others wait here instead of in the HTTP connection pool.
         self._slots = asyncio.Semaphore(settings.max_concurrent_reconciles)
         self._wakeups: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        # resourceVersion of each job's last status write: its own watch event needs no pass
+        self._written: dict[tuple[str, str], str] = {}
 
     async def reconcile(self, namespace: str, name: str, logger: logging.Logger | Any = None) -> None:
         """Reconcile one job; requests arriving while it runs collapse into one more pass.
@@ -90,7 +95,10 @@ class Controller:
         old = job.get("status") or {}
         if outcome.status != old:
             patch = {k: outcome.status.get(k) for k in set(old) | set(outcome.status)}
-            await self.kube.merge_patch(path(API_VERSION, PLURAL, namespace, name, "status"), {"status": patch})
+            written = await self.kube.merge_patch(path(API_VERSION, PLURAL, namespace, name, "status"),
+                                                  {"status": patch})
+            if written is not None:
+                self._written[key] = written["metadata"]["resourceVersion"]
         self.metrics.observe(job["metadata"]["uid"], outcome.status["phase"])
         for type_, reason, message in outcome.events:
             kopf.event(job, type=type_, reason=reason, message=message[:1024])
@@ -112,10 +120,30 @@ class Controller:
         self._tasks.add(task)  # keep a reference until it is done
         task.add_done_callback(self._tasks.discard)
 
+    def is_own_write(self, body: Mapping[str, Any]) -> bool:
+        """The job as this operator's last status write left it: reconciling it again would only
+        read what was just written."""
+        meta = body["metadata"]
+        return self._written.get((meta["namespace"], meta["name"])) == meta.get("resourceVersion")
+
     def _forget(self, key: tuple[str, str]) -> None:
+        self._written.pop(key, None)
         handle = self._wakeups.pop(key, None)
         if handle is not None:
             handle.cancel()
+
+    async def resync_forever(self, namespaces: list[str]) -> None:
+        """Every `resync_s`, reconcile every job (a safety net under the watch-driven passes)."""
+        while True:
+            await asyncio.sleep(self.settings.resync_s)
+            for namespace in namespaces or [None]:
+                try:
+                    jobs = await self.kube.list(path(API_VERSION, PLURAL, namespace))
+                except (ApiError, aiohttp.ClientError, TimeoutError) as error:
+                    log.warning("resync: cannot list KareusJobs: %r", error)
+                    continue
+                for job in jobs:
+                    self._spawn((job["metadata"]["namespace"], job["metadata"]["name"]))
 
     def forget_job(self, body: Mapping[str, Any]) -> None:
         self.metrics.forget(body["metadata"]["uid"])
@@ -123,7 +151,7 @@ class Controller:
 
 
 def configure(settings: kopf.OperatorSettings, resync_s: float) -> None:
-    settings.persistence.finalizer = f"{PREFIX}/finalizer"
+    settings.persistence.finalizer = f"{PREFIX}/finalizer"  # the name older versions added; kopf removes it
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=PREFIX, key="last-handled-configuration")
@@ -136,22 +164,15 @@ def configure(settings: kopf.OperatorSettings, resync_s: float) -> None:
 
 def build_registry(controller: Controller) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
-    resync_s = controller.settings.resync_s
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def job_event(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         if event.get("type") == "DELETED":
             controller.forget_job(body)
             return
+        if controller.is_own_write(body):
+            return
         await controller.reconcile(body.metadata.namespace, body.metadata.name, logger)
-
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_s, idle=0, registry=registry)
-    async def resync(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-        await controller.reconcile(body.metadata.namespace, body.metadata.name, logger)
-
-    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
-    async def job_deleted(body: kopf.Body, **_: Any) -> None:
-        controller.forget_job(body)
 
     async def child_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         job_name = body.metadata.labels.get(LABEL_JOB)

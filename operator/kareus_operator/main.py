@@ -74,8 +74,12 @@ def _run(args: argparse.Namespace) -> int:
 
                 server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=controller.metrics.registry)
                 print(f"metrics on http://{args.metrics_address}:{server.server_port}/metrics", flush=True)
-            await kopf.operator(registry=registry, settings=kopf_settings, standalone=True,
-                                clusterwide=not namespaces, namespaces=namespaces, stop_flag=stop)
+            resync = asyncio.create_task(controller.resync_forever(namespaces))
+            try:
+                await kopf.operator(registry=registry, settings=kopf_settings, standalone=True,
+                                    clusterwide=not namespaces, namespaces=namespaces, stop_flag=stop)
+            finally:
+                resync.cancel()
 
     asyncio.run(main())
     return 0

@@ -55,7 +55,7 @@ class Settings:
     backoff_max_s: float = 360.0
     # Training progress (train.jsonl summary) is published at most this often: each publish is one
     # ConfigMap write and one status write.
-    progress_interval_s: float = 30.0
+    progress_interval_s: float = 60.0
     watch_namespaces: tuple[str, ...] = ()
     extra_pod_env: Mapping[str, str] = field(default_factory=dict)
 

@@ -423,7 +423,7 @@ class EmulatedNode:
                 await self._patch_status(run)
                 return
             await self._patch_status(run)
-            await self._prepare_volumes(run)
+            await self._prepare_volumes_retrying(run)
             policy = spec.get("restartPolicy", "Always")
             for container in (c for c in run.containers.values() if c.init):
                 while True:
@@ -561,6 +561,22 @@ class EmulatedNode:
                                 content_type="application/strategic-merge-patch+json")
 
     # ------------------------------------------------------------------ volumes
+
+    async def _prepare_volumes_retrying(self, run: PodRun) -> None:
+        """Set the volumes up, retrying API refusals as the kubelet's pod sync does: right after a
+        pod is bound, the Node authorizer may not know the node → pod relation yet (403 "no
+        relationship found") for the token or a ConfigMap."""
+        delay_s = 0.2
+        while True:
+            try:
+                await self._prepare_volumes(run)
+                return
+            except ApiError as error:
+                if run.terminating or error.code not in (403, 404, 429, 500, 503):
+                    raise
+                log.info("pod %s/%s: volumes not ready (%s); retrying in %.1f s", run.namespace, run.name, error, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
 
     async def _prepare_volumes(self, run: PodRun) -> None:
         assert self.kube is not None
