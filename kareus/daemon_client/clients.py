@@ -33,8 +33,10 @@ class ClockClient(ABC):
     """Per-instruction GPU clock requests from one training process for its GPUs."""
 
     @abstractmethod
-    def request_clock(self, clock_mhz: int, *, instruction: str) -> None:
-        """Ask for `clock_mhz` for the instruction about to run; returns without waiting."""
+    def request_clock(self, clock_mhz: int, *, instruction: str, stale_after_s: float | None = None) -> None:
+        """Ask for `clock_mhz` for the instruction about to run; returns without waiting.
+        `stale_after_s` (`time.monotonic()`): when the instruction is expected to be over — a daemon
+        that fell behind may skip the request after that time, once a newer one is waiting."""
 
     @abstractmethod
     def upload_schedule(self, clocks_mhz: Sequence[int]) -> None:
@@ -74,7 +76,7 @@ class NullClockClient(ClockClient):
     def __init__(self, reason: str = "") -> None:
         self._reason = reason
 
-    def request_clock(self, clock_mhz: int, *, instruction: str) -> None:
+    def request_clock(self, clock_mhz: int, *, instruction: str, stale_after_s: float | None = None) -> None:
         pass
 
     def upload_schedule(self, clocks_mhz: Sequence[int]) -> None:
@@ -116,7 +118,7 @@ class RecordingClockClient(ClockClient):
         self._cursor = 0
         self.closed = False
 
-    def request_clock(self, clock_mhz: int, *, instruction: str) -> None:
+    def request_clock(self, clock_mhz: int, *, instruction: str, stale_after_s: float | None = None) -> None:
         self.log.append(ClockRecord(instruction, int(clock_mhz), time.monotonic()))
 
     def upload_schedule(self, clocks_mhz: Sequence[int]) -> None:
@@ -165,12 +167,13 @@ class DaemonClockClient(ClockClient):
         self._reader.start()
 
     # -- the runtime's calls -------------------------------------------------------------------
-    def request_clock(self, clock_mhz: int, *, instruction: str) -> None:
+    def request_clock(self, clock_mhz: int, *, instruction: str, stale_after_s: float | None = None) -> None:
         clock_mhz = int(clock_mhz)
         if clock_mhz == self._last_clock_mhz:
             return
         self._last_clock_mhz = clock_mhz
-        self._send("lock", gpus=list(self.gpu_uuids), clock_mhz=clock_mhz, wait=False)
+        extra = {} if stale_after_s is None else {"stale_after_s": float(stale_after_s)}
+        self._send("lock", gpus=list(self.gpu_uuids), clock_mhz=clock_mhz, wait=False, **extra)
 
     def upload_schedule(self, clocks_mhz: Sequence[int]) -> None:
         self._send("schedule", gpus=list(self.gpu_uuids), clocks_mhz=[int(c) for c in clocks_mhz])

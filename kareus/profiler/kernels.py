@@ -64,6 +64,13 @@ def copy_with_sms(src: Any, dst: Any, comm_sms: int) -> bool:
     return True
 
 
+def payload(payload_bytes: float, device: Any) -> Any:
+    """A bf16 buffer of `payload_bytes` (at least 1024 elements): what a collective moves. bf16
+    because the sizes are in 2-byte elements; an fp32 buffer would move twice the payload."""
+    torch = _torch()
+    return torch.randn(max(1024, round(payload_bytes / 2)), device=device).to(torch.bfloat16)
+
+
 def _gemm(flops: float, device: Any) -> Callable[[], Any]:
     torch = _torch()
     n = max(16, round((flops / 2) ** (1 / 3)))
@@ -97,8 +104,7 @@ class EmulatedPartition:
         self.ops = [emulate_op(op, self.device, scale) for op in ptype.compute_ops]
         self.launch_index = ptype.slot_op_index(launch_slot)
         self.comm_sms = comm_sms
-        numel = max(1024, round(ptype.comm.payload_bytes * scale / 2))
-        self.src = torch.randn(numel, device=self.device).to(torch.bfloat16)
+        self.src = payload(ptype.comm.payload_bytes * scale, self.device)
         self.dst = torch.empty_like(self.src)
         self.sm_control = False
         cuda = self.device.type == "cuda"
@@ -138,7 +144,7 @@ class EmulatedWork:
             if isinstance(op, ComputeOp):
                 self.kernels.append(emulate_op(op, self.device, scale))
             else:  # a CommOp: its payload copied through HBM
-                src = torch.randn(max(1024, round(op.payload_bytes * scale / 2)), device=self.device)
+                src = payload(op.payload_bytes * scale, self.device)
                 dst = torch.empty_like(src)
                 self.kernels.append(functools.partial(dst.copy_, src))
 

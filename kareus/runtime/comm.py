@@ -7,11 +7,16 @@ result to a `finish` callback (e.g. to put gathered K/V into the other nanobatch
 
 - On CPU (gloo) the collective is issued with `async_op`: the *order of issue* follows the launch
   slot exactly as on a GPU; the SM count is a no-op.
-- On CUDA the collective runs on the comm stream. It is gated by an event recorded on the compute
-  stream when it is launched — i.e. right after the op before the launch slot was enqueued — and the
-  join makes the compute stream wait for it (DESIGN.md §2.8). NCCL fixes a communicator's CTA (SM)
-  bounds at creation, so there is one communicator per SM count in use, all created up front
-  (creating a group is collective over the whole world, so it cannot be lazy).
+- On CUDA the collective runs on the comm stream (high priority, so the comm kernel's CTAs are
+  scheduled ahead of queued GEMM CTAs and the launch slot means what it says). It is gated by an
+  event recorded on the compute stream when it is launched — i.e. right after the op before the
+  launch slot was enqueued — and the join makes the compute stream wait for it (DESIGN.md §2.8).
+  NCCL fixes a communicator's CTA bounds at creation (`ProcessGroupNCCL.Options().config.min_ctas/
+  max_ctas`), so there is one communicator per SM count in use, created up front and eagerly
+  (`device_id`: split from the default communicator, initialised now rather than inside step 0;
+  creating a group is collective over the whole world, so it cannot be lazy). The SM count is
+  enforced or refused: a torch without `Options.config`, or a launch with an SM count that has no
+  communicator, is a `CommSmsError` — never a silent fallback to the default communicator.
 - A single-rank group has nothing to exchange; with `standin=True` on CUDA an exact no-op kernel
   (`x *= 1`) runs on the comm stream instead, so one GPU exercises the stream/event machinery.
 
@@ -29,9 +34,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from kareus.errors import KareusError
+
 Finish = Callable[[Tensor], None]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommSmsError(KareusError):
+    """A partition's comm SM count cannot be enforced."""
 
 
 class CommHandle:
@@ -60,8 +71,19 @@ class GroupComm:
         self.cuda = cuda
         self.standin = standin and cuda and size == 1
         self.groups_by_sms = dict(groups_by_sms or {})
-        self.stream = stream if stream is not None else (torch.cuda.Stream() if cuda else None)
+        self.stream = stream if stream is not None else (comm_stream() if cuda else None)
         self.launches = 0
+
+    def group_for(self, comm_sms: int | None) -> object | None:
+        """The communicator that runs a collective on `comm_sms` SMs (None: the default one).
+        On gloo SM counts mean nothing, so every count runs on the group itself."""
+        if comm_sms is None or not self.cuda or self.size == 1:
+            return self.group
+        if comm_sms not in self.groups_by_sms:
+            have = ", ".join(str(n) for n in sorted(self.groups_by_sms)) or "none"
+            raise CommSmsError(f"no NCCL communicator bounded to {comm_sms} SMs (created: {have}); refusing to run "
+                               f"the collective unbounded on the default communicator")
+        return self.groups_by_sms[comm_sms]
 
     @property
     def active(self) -> bool:
@@ -102,7 +124,7 @@ class GroupComm:
         work = None
         with torch.cuda.stream(self.stream):
             if op is not None and self.size > 1:
-                work = op(self.groups_by_sms.get(comm_sms, self.group))
+                work = op(self.group_for(comm_sms))
             else:
                 tensor.mul_(1.0)  # the stand-in: an exact no-op kernel on the comm stream
             done = torch.cuda.Event()
@@ -143,24 +165,41 @@ def unpack_kv(packed: Tensor) -> tuple[Tensor, Tensor]:
     return kv[0].contiguous(), kv[1].contiguous()
 
 
+def comm_stream() -> object:
+    """The comm stream: the highest priority CUDA offers."""
+    _lowest, highest = torch.cuda.Stream.priority_range()  # lower numbers run first
+    return torch.cuda.Stream(priority=highest)
+
+
+def nccl_options(comm_sms: int) -> object:
+    """ProcessGroupNCCL options for a communicator on exactly `comm_sms` CTAs (one per SM), on a
+    high-priority NCCL stream; `CommSmsError` when this torch cannot bound CTAs."""
+    options_cls = getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)
+    options = options_cls() if options_cls is not None else None
+    config = getattr(options, "config", None)
+    if config is None or not hasattr(config, "min_ctas") or not hasattr(config, "max_ctas"):
+        raise CommSmsError("this torch's ProcessGroupNCCL.Options has no config.min_ctas/max_ctas, so comm SM "
+                           "counts cannot be enforced; use torch >= 2.2 with NCCL >= 2.17, or --schedule sequential")
+    config.min_ctas = comm_sms
+    config.max_ctas = comm_sms
+    options.is_high_priority_stream = True
+    return options
+
+
 def nccl_groups_by_sms(groups_ranks: Iterable[tuple[int, ...]], my_ranks: tuple[int, ...],
-                       comm_sms: Iterable[int]) -> dict[int, object]:
-    """One NCCL communicator per SM count for this rank's group, CTA-bounded where torch exposes
-    `ProcessGroupNCCL.Options().config.{min,max}_ctas`; empty where it does not (default group).
+                       comm_sms: Iterable[int], device: torch.device | None = None) -> dict[int, object]:
+    """One NCCL communicator per SM count for this rank's group, CTA-bounded (`nccl_options`) and,
+    with `device`, initialised eagerly on it (split from the default communicator where the default
+    group was bound to the device).
 
     Every rank must call this with the same arguments: `new_group` is collective over the world.
     """
-    options_cls = getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)
-    if options_cls is None or not hasattr(options_cls(), "config"):
-        return {}
     groups_ranks = list(groups_ranks)
     groups: dict[int, object] = {}
+    extra = {} if device is None else {"device_id": device}
     for sms in sorted(set(comm_sms)):
         for ranks in groups_ranks:
-            options = options_cls()
-            options.config.min_ctas = sms
-            options.config.max_ctas = sms
-            group = dist.new_group(list(ranks), backend="nccl", pg_options=options)
+            group = dist.new_group(list(ranks), backend="nccl", pg_options=nccl_options(sms), **extra)
             if tuple(ranks) == tuple(my_ranks):
                 groups[sms] = group
     return groups

@@ -9,16 +9,25 @@ DESIGN.md §2.1: every GPU pays static power for the whole iteration, bubbles in
   times (F(s,m) after F(s−1,m), B(s,m) after B(s+1,m), each stage in its own order). Deterministic,
   so computed once per schedule.
 - `MeasuredEnergy` (CUDA): the NVML energy counter of this rank's GPU (through `kareus.gpu`),
-  read at step boundaries; the trainer sums the ranks.
+  read at step boundaries; the trainer sums the ranks. The GPU is found by UUID only — CUDA and
+  NVML number devices differently under `CUDA_VISIBLE_DEVICES`, so an index would read another
+  GPU — and a UUID NVML does not know is an error (`EnergyAttributionError`), never a guess. Under
+  MIG NVML's counter covers the whole card (every instance's work, not this one's), so MIG is
+  refused with that reason rather than measured wrongly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kareus.errors import KareusError
 from kareus.runtime.schedule import RunInstruction, Schedule
 from kareus.workload.partitions import PartitionConfig, Workload
+
+if TYPE_CHECKING:
+    from kareus.gpu import GPUDevice
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,39 @@ def pipeline_time_s(schedule: Schedule, times_s: list[list[float]]) -> float:
     return max(clock)
 
 
+class EnergyAttributionError(KareusError):
+    """This rank's energy cannot be attributed to its own GPU (unknown UUID, MIG)."""
+
+
+def _bare_uuid(uuid: str) -> str:
+    """NVML says `GPU-<uuid>` / `MIG-<uuid>`, torch the bare `<uuid>`."""
+    uuid = uuid.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if uuid.startswith(prefix):
+            return uuid[len(prefix):]
+    return uuid
+
+
+def gpu_for_cuda_uuid(cuda_uuid: str, devices: Sequence[GPUDevice]) -> GPUDevice:
+    """The NVML device whose UUID is the CUDA device's; `EnergyAttributionError` otherwise."""
+    matches = [d for d in devices if _bare_uuid(d.uuid) == _bare_uuid(cuda_uuid)]
+    mig = [d for d in devices if d.is_mig_enabled()]
+    if matches and matches[0].is_mig_enabled():
+        raise EnergyAttributionError(
+            f"GPU {matches[0].uuid} runs in MIG mode: NVML's energy counter covers the whole card, not this "
+            f"instance, so its energy cannot be measured; disable MIG or train on a full GPU")
+    if not matches:
+        if mig:
+            raise EnergyAttributionError(
+                f"CUDA device {cuda_uuid} is not a full GPU NVML sees; MIG is enabled on "
+                f"{', '.join(d.uuid for d in mig)} and NVML cannot measure one MIG instance's energy")
+        known = ", ".join(d.uuid for d in devices) or "none"
+        raise EnergyAttributionError(
+            f"CUDA device {cuda_uuid} is not among the GPUs NVML sees ({known}); refusing to read another GPU's "
+            f"energy counter (do CUDA_VISIBLE_DEVICES and the container's NVML view disagree?)")
+    return matches[0]
+
+
 class MeasuredEnergy:
     """This rank's GPU energy counter (NVML), matched to the CUDA device by UUID."""
 
@@ -102,9 +144,7 @@ class MeasuredEnergy:
         from kareus.gpu import discover
 
         uuid = str(torch.cuda.get_device_properties(device_index).uuid)
-        devices = discover("nvml")
-        matches = [d for d in devices if d.uuid.replace("GPU-", "") == uuid.replace("GPU-", "")]
-        self.device = matches[0] if matches else devices[device_index]
+        self.device = gpu_for_cuda_uuid(uuid, discover("nvml"))
         self._start_j = self.device.energy_j()
 
     @property

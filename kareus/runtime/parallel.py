@@ -132,6 +132,8 @@ def init_distributed(layout: Layout, *, rank: int | None = None, store: object |
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         kwargs = {"store": store} if store is not None else {"init_method": "env://"}
+        if use_cuda:  # binds the communicator to the GPU: eager init, and new groups split from it
+            kwargs["device_id"] = dev
         dist.init_process_group(backend, rank=rank, world_size=layout.world_size, **kwargs)
     ctx.tp_group, ctx.tp_ranks = _my_group(layout.tp_groups(), rank)
     ctx.cp_group, ctx.cp_ranks = _my_group(layout.cp_groups(), rank)

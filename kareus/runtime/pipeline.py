@@ -4,9 +4,11 @@ The stage walks its instruction list through a `PlanFollower` (clock requests ah
 the running instruction). A forward receives its activation from the previous stage (or embeds
 the tokens), runs the block in the instruction's mode and sends the result on (or computes the
 loss); a backward receives the output gradient (or differentiates the loss), runs the block
-backward and sends the input gradient back (or finishes in the embedding). Sends are
-non-blocking and awaited at the end of the iteration, receives block, so any valid order — the
-synchronous 1F1B of the plan — runs without deadlock.
+backward and sends the input gradient back (or finishes in the embedding). Point to point goes
+through a `StageLink` (`kareus.runtime.p2p`): a send leaves together with the next instruction's
+receive from the same peer (one batched group, as Megatron-Core's `send_forward_recv_backward`),
+so the 1F1B steady state cannot deadlock on NCCL; sends are awaited at the end of the iteration.
+The loss stays on the device until the iteration ends (one host sync per step, not per microbatch).
 
 Activation checkpointing: a forward keeps only its input; the backward recomputes (partitioned:
 with the instruction's recompute configs). Without it, the forward keeps op records (partitioned)
@@ -15,10 +17,9 @@ or the autograd graph (sequential), and the backward uses the forward's mode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from kareus.runtime.comm import GroupComm
@@ -26,6 +27,7 @@ from kareus.runtime.engine import BlockContext, PartitionedBlock, SequentialBloc
 from kareus.runtime.follower import PlanFollower
 from kareus.runtime.layer_ops import sequence_consts
 from kareus.runtime.model import StageModel
+from kareus.runtime.p2p import StageLink
 from kareus.runtime.parallel import DistContext
 from kareus.runtime.schedule import RunInstruction
 
@@ -56,7 +58,6 @@ class StageExecutor:
     micro_batch_size: int
     activation_checkpointing: bool = True
     cp: GroupComm | None = None
-    _sends: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         shape = self.model.shape
@@ -67,8 +68,8 @@ class StageExecutor:
                                  dtype)
         self.partitioned = PartitionedBlock(self.model, self.tp, consts, self.cp)
         self.sequential = SequentialBlock(self.model, self.tp, consts, self.cp)
-        self.activation_shape = (self.micro_batch_size, self.seq_len // cp, shape.hidden_size)
-        self.dtype = dtype
+        activation_shape = (self.micro_batch_size, self.seq_len // cp, shape.hidden_size)
+        self.link = StageLink(activation_shape, dtype, device)
         self.check_instructions(self.follower.instructions)
 
     def check_instructions(self, instructions: tuple[RunInstruction, ...]) -> None:
@@ -87,18 +88,18 @@ class StageExecutor:
         """One iteration; returns the sum of this stage's (scaled) microbatch losses (0 if not last)."""
         mbs = [_Microbatch(tokens, targets) for tokens, targets in batches]
         self.follower.on_step_begin(step)
-        total = 0.0
+        losses: list[Tensor] = []
         for ins in self.follower.instructions:
             self.follower.on_instruction_begin(ins.kind, ins.microbatch)
             if ins.kind == "forward":
                 self._forward(ins, mbs[ins.microbatch], loss_scale)
             else:
-                total += self._backward(ins, mbs[ins.microbatch])
+                loss = self._backward(ins, mbs[ins.microbatch])
+                if loss is not None:
+                    losses.append(loss)
             self.follower.on_instruction_end(ins.kind)
-        for work in self._sends:
-            work.wait()
-        self._sends.clear()
-        return total
+        self.link.finish()
+        return float(torch.stack(losses).double().sum()) if losses else 0.0  # the step's only host sync
 
     # forward -----------------------------------------------------------------------------------
     def _forward(self, ins: RunInstruction, mb: _Microbatch, loss_scale: float) -> None:
@@ -107,13 +108,13 @@ class StageExecutor:
             mb.embedded = self.model.embed(mb.tokens)
             x = mb.embedded.detach()
         else:
-            x = self._recv(self.dist_ctx.neighbour(-1), ACTIVATION_TAG)
+            x = self.link.receive(self.dist_ctx.neighbour(-1), ACTIVATION_TAG)
         y = self._block_forward(ins, x, mb)
         if layout.is_last:
             mb.head_input = y.detach().requires_grad_()
             mb.loss = self.model.head_loss(mb.head_input, mb.targets, loss_scale)
         else:
-            self._send(y, self.dist_ctx.neighbour(1), ACTIVATION_TAG)
+            self.link.send(y, self.dist_ctx.neighbour(1), ACTIVATION_TAG)
 
     def _block_forward(self, ins: RunInstruction, x: Tensor, mb: _Microbatch) -> Tensor:
         keep = not self.activation_checkpointing
@@ -133,20 +134,21 @@ class StageExecutor:
         return y
 
     # backward ----------------------------------------------------------------------------------
-    def _backward(self, ins: RunInstruction, mb: _Microbatch) -> float:
+    def _backward(self, ins: RunInstruction, mb: _Microbatch) -> Tensor | None:
+        """Returns the (scaled) microbatch loss on the last stage, still on the device."""
         layout = self.model.layout
-        loss_value = 0.0
+        loss_value = None
         if layout.is_last:
             mb.loss.backward()
-            loss_value = float(mb.loss.detach())
+            loss_value = mb.loss.detach()
             grad_y = mb.head_input.grad
         else:
-            grad_y = self._recv(self.dist_ctx.neighbour(1), GRADIENT_TAG)
+            grad_y = self.link.receive(self.dist_ctx.neighbour(1), GRADIENT_TAG)
         grad_x = self._block_backward(ins, mb.block, grad_y)
         if layout.is_first:
             mb.embedded.backward(grad_x)
         else:
-            self._send(grad_x, self.dist_ctx.neighbour(-1), GRADIENT_TAG)
+            self.link.send(grad_x, self.dist_ctx.neighbour(-1), GRADIENT_TAG)
         mb.block = mb.embedded = mb.head_input = mb.loss = None
         return loss_value
 
@@ -165,22 +167,3 @@ class StageExecutor:
             return self.partitioned.backward(list(block.states), grad_y, ins.configs)
         torch.autograd.backward(block.output, grad_y)
         return block.inputs[0].grad
-
-    # point to point ----------------------------------------------------------------------------
-    def _send(self, tensor: Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.contiguous()
-        self._sends.append(_Pending(dist.isend(tensor, dst, tag=tag), tensor))
-
-    def _recv(self, src: int, tag: int) -> Tensor:
-        buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.dist_ctx.device)
-        dist.irecv(buffer, src, tag=tag).wait()
-        return buffer
-
-
-@dataclass
-class _Pending:
-    work: object
-    tensor: Tensor  # kept alive until the send completes
-
-    def wait(self) -> None:
-        self.work.wait()

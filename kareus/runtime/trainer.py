@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 from kareus.daemon_client import ClockClient, DaemonConnection, DaemonError, NullClockClient, connect
 from kareus.errors import KareusError
-from kareus.runtime.comm import GroupComm, nccl_groups_by_sms
+from kareus.runtime.clocking import CudaProgress, HostProgress
+from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, load_tokens
-from kareus.runtime.energy import MeasuredEnergy, SimulatedEnergy
+from kareus.runtime.energy import EnergyAttributionError, MeasuredEnergy, SimulatedEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
 from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
 from kareus.runtime.model import StageLayout, StageModel
@@ -80,6 +81,7 @@ class TrainConfig:
     plan_path: str | None = None  # watched for a new plan at every step boundary
     plan_digest: str | None = None  # SHA-256 of the plan file's bytes the run started with
     schedule_mode: str = "plan"  # "sequential": every plan (also a rolled-out one) runs un-nanobatched
+    clock_lead_s: float = 0.005  # a clock request goes out this long before the GPU's instruction boundary
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -93,6 +95,8 @@ class TrainConfig:
             raise KareusError(f"spec.sequenceLength {self.seq_len} must be divisible by context parallelism {self.cp}")
         if self.steps < 0:
             raise KareusError(f"steps must be >= 0, got {self.steps}")
+        if self.clock_lead_s < 0:
+            raise KareusError(f"clock_lead_s must be >= 0, got {self.clock_lead_s}")
 
     @property
     def layout(self) -> Layout:
@@ -150,7 +154,9 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     meter = _nvml_meter(ctx) if cuda else None
     if clock is None:
         clock = connect(config.daemon_socket, _my_gpus(config.daemon_socket, meter), job=config.job_name or None)
-    follower = PlanFollower(schedule.stages[ctx.pp_rank], stage=ctx.pp_rank, clock=clock)
+    progress = CudaProgress() if cuda else HostProgress()
+    follower = PlanFollower(schedule.stages[ctx.pp_rank], stage=ctx.pp_rank, clock=clock, progress=progress,
+                            lead_s=config.clock_lead_s)
     executor = StageExecutor(model, ctx, tp, follower, config.seq_len, config.micro_batch_size,
                              config.activation_checkpointing, cp)
     batcher = Batcher(load_tokens(config.data_path, config.shape.vocab_size), config.seq_len,
@@ -191,6 +197,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             records.append(record)
     finally:
         outputs.close()
+        follower.close()
         clock.close()
     simulated = running.simulated
     result = TrainResult(tuple(r.loss for r in records), tuple(r.iteration_time_s for r in records),
@@ -241,7 +248,7 @@ class _Running:
         layout = self.config.layout
         for comm, all_ranks, my_ranks in ((tp, layout.tp_groups(), ctx.tp_ranks), (cp, layout.cp_groups(), ctx.cp_ranks)):
             if comm.size > 1:
-                comm.groups_by_sms.update(nccl_groups_by_sms(all_ranks, my_ranks, new_sms))
+                comm.groups_by_sms.update(nccl_groups_by_sms(all_ranks, my_ranks, new_sms, ctx.device))
 
 
 def _rollout(ctx: DistContext, config: TrainConfig, executor: StageExecutor) -> PlanRollout:
@@ -265,11 +272,11 @@ def _plan_labels(plan) -> dict[str, str]:
 def _comms(ctx: DistContext, config: TrainConfig, schedule: Schedule, cuda: bool) -> tuple[GroupComm, GroupComm]:
     """The TP and CP collectives; on CUDA they share one comm stream and get one communicator per
     SM count the schedule uses. The one-GPU stand-in replaces the TP all-reduce."""
-    stream = torch.cuda.Stream() if cuda else None
+    stream = comm_stream() if cuda else None
     sms = schedule.comm_sms_in_use()
 
     def comm(size: int, group, all_ranks, my_ranks, standin: bool) -> GroupComm:
-        by_sms = nccl_groups_by_sms(all_ranks, my_ranks, sms) if cuda and size > 1 else {}
+        by_sms = nccl_groups_by_sms(all_ranks, my_ranks, sms, ctx.device) if cuda and size > 1 else {}
         return GroupComm(group, size, cuda=cuda, standin=standin, groups_by_sms=by_sms, stream=stream)
 
     return (comm(config.tp, ctx.tp_group, config.layout.tp_groups(), ctx.tp_ranks, config.comm_standin),
@@ -317,9 +324,12 @@ def _my_gpus(socket_path: str | None, meter: MeasuredEnergy | None) -> list[str]
 
 
 def _nvml_meter(ctx: DistContext) -> MeasuredEnergy | None:
-    """This GPU's NVML energy counter; None (simulated accounting, with a warning) without NVML."""
+    """This GPU's NVML energy counter; None (simulated accounting, with a warning) without NVML.
+    A counter that would belong to another GPU (or a whole MIG card) is an error, not a fallback."""
     try:
         return MeasuredEnergy(ctx.device.index or 0)
+    except EnergyAttributionError:
+        raise
     except KareusError as error:
         log.warning("no NVML energy counter (%s); accounting energy on the simulated GPU", error)
         return None

@@ -256,11 +256,12 @@ class Daemon:
     async def _op_lock(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
         uuids = self._gpu_list(message)
         clock_mhz = _int_field(message, "clock_mhz")
+        stale_after_s = _stale_after_field(message)
         _wait_field(message)
         grant = await self._grant(session)
         for uuid in uuids:
             self._check_control(session, grant, uuid, (clock_mhz,))
-        tickets = [self._set_clock(session, grant, uuid, clock_mhz) for uuid in uuids]
+        tickets = [self._set_clock(session, grant, uuid, clock_mhz, stale_after_s) for uuid in uuids]
         return await self._answer_after(request_id, message, uuids, tickets)
 
     async def _op_reset(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -326,6 +327,7 @@ class Daemon:
                          "locked_clock_mhz": gpu.locked_clock_mhz(), "sm_clock_mhz": gpu.sm_clock_mhz(),
                          "power_w": gpu.power_w(), "energy_j": gpu.energy_j(),
                          "clock_changes": self.workers[uuid].clock_changes if uuid in self.workers else 0,
+                         "stale_skipped": self.workers[uuid].stale_skipped if uuid in self.workers else 0,
                          "owner": lease.owner.to_json() if lease else None, "journaled": uuid in journaled,
                          "mig_enabled": gpu.is_mig_enabled(), "bounds_mhz": list(self.bounds[uuid])})
         return protocol.ok_reply(request_id, node=self.node_name, dry_run=self.config.dry_run, pid=os.getpid(),
@@ -376,7 +378,8 @@ class Daemon:
         if lease is not None and lease.session_id != session.id:
             raise RequestFailed(protocol.E_BUSY, f"GPU {uuid} is held by {lease.owner.describe()}", "refused")
 
-    def _set_clock(self, session: Session, grant: Grant, uuid: str, clock_mhz: int) -> int:
+    def _set_clock(self, session: Session, grant: Grant, uuid: str, clock_mhz: int,
+                   stale_after_s: float | None = None) -> int:
         worker = self.workers[uuid]
         if uuid not in session.leases:
             entry = {"owner": grant.owner.to_json(), "clock_mhz": clock_mhz, "daemon_pid": os.getpid(), "since": time.time()}
@@ -386,7 +389,7 @@ class Daemon:
                 raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot journal the lease (failing closed): {error}", "unavailable") from None
             self.leases[uuid] = Lease(session.id, grant.owner)
             session.leases.add(uuid)
-        return worker.want(clock_mhz)
+        return worker.want(clock_mhz, stale_after_s=stale_after_s)
 
     def _release(self, session: Session, uuids: Any, why: str) -> list[int]:
         tickets = []
@@ -458,6 +461,17 @@ def _wait_field(message: dict[str, Any]) -> bool:
     if not isinstance(wait, bool):
         raise _invalid("wait: must be true or false")
     return wait
+
+
+def _stale_after_field(message: dict[str, Any]) -> float | None:
+    """Optional `stale_after_s` of a lock: node monotonic seconds after which the clock is no longer
+    worth applying once a newer one waits (older clients omit it: never stale)."""
+    value = message.get("stale_after_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid("stale_after_s: must be a number of seconds (the node's monotonic clock)")
+    return float(value)
 
 
 def _int_field(message: dict[str, Any], name: str) -> int:

@@ -1,10 +1,13 @@
-"""One worker thread per GPU that applies the latest wanted clock.
+"""One worker thread per GPU that applies the wanted clocks in order.
 
-The socket side never waits for the GPU: it records what it *wants* (a clock, or `None` for
-"back to default") and returns. The worker wakes up, takes the newest want — intermediate ones
-are skipped, which is the right thing when a runtime asks faster than the driver can switch —
-and applies it. Each want gets a ticket, so a blocking request can wait until its ticket (or a
-newer one) has been applied.
+The socket side never waits for the GPU: it queues what it *wants* (a clock, or `None` for
+"back to default") and returns. The worker applies the wants in the order they came, never
+skipping one: a runtime sends an instruction's clock when the GPU reaches that instruction
+(`kareus.runtime.clocking`), so every want is a clock the plan runs at. The one exception is a
+want that is already *stale*: it carries `stale_after_s` (node monotonic time, when its instruction
+is expected to be over), that time has passed and a newer want waits behind it — applying it
+would only delay the clock that is due now. Those are counted (`stale_skipped`). Each want gets a
+ticket, so a blocking request can wait until its ticket has been applied (or skipped as stale).
 
 The worker also owns the GPU's journal entry: it is written before the first lock of a lease
 (`acquire`) and erased only after a reset took effect with no newer want pending, both under the
@@ -15,12 +18,24 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kareus_node.journal import Journal
 
 log = logging.getLogger("kareus_node")
+
+MAX_QUEUED_WANTS = 4096  # a client that floods the queue loses its oldest wants, counted as stale
+
+
+@dataclass(frozen=True)
+class _Want:
+    clock_mhz: int | None
+    ticket: int
+    stale_after_s: float | None  # time.monotonic() after which it no longer matters (None: never)
 
 
 class ClockWorker:
@@ -30,12 +45,13 @@ class ClockWorker:
         self._journal = journal
         self._dry_run = dry_run
         self._cond = threading.Condition()
-        self._wanted: int | None = None
+        self._queue: deque[_Want] = deque()
         self._wanted_ticket = 0
         self._applied_ticket = 0
         self._applied: int | None = None  # what this worker last set (None: default clocks)
         self._stopping = False
         self.clock_changes = 0
+        self.stale_skipped = 0
         self.last_error = ""
         self._thread = threading.Thread(target=self._run, name=f"clock-{self.uuid}", daemon=True)
         self._thread.start()
@@ -48,11 +64,14 @@ class ClockWorker:
         with self._cond:
             self._journal.record(self.uuid, entry)
 
-    def want(self, clock_mhz: int | None) -> int:
-        """Ask for `clock_mhz` (None: reset); returns the ticket to wait on."""
+    def want(self, clock_mhz: int | None, *, stale_after_s: float | None = None) -> int:
+        """Queue `clock_mhz` (None: reset) behind the earlier wants; returns the ticket to wait on."""
         with self._cond:
-            self._wanted = clock_mhz
             self._wanted_ticket += 1
+            if len(self._queue) >= MAX_QUEUED_WANTS:
+                self._queue.popleft()
+                self.stale_skipped += 1
+            self._queue.append(_Want(clock_mhz, self._wanted_ticket, stale_after_s))
             self._cond.notify_all()
             return self._wanted_ticket
 
@@ -62,7 +81,7 @@ class ClockWorker:
             return self._applied_ticket >= ticket
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Finish the pending want, then end the thread."""
+        """Finish the queued wants, then end the thread."""
         with self._cond:
             self._cond.wait_for(lambda: self._applied_ticket >= self._wanted_ticket, timeout_s)
             self._stopping = True
@@ -73,13 +92,18 @@ class ClockWorker:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._wanted_ticket > self._applied_ticket or self._stopping)
+                self._cond.wait_for(lambda: self._queue or self._stopping)
                 if self._stopping:
                     return
-                target, ticket = self._wanted, self._wanted_ticket
-            self._apply(target)
+                want = self._queue.popleft()
+                stale = bool(self._queue) and want.stale_after_s is not None and time.monotonic() > want.stale_after_s
+                target, ticket = want.clock_mhz, want.ticket
+            if stale:
+                self.stale_skipped += 1
+            else:
+                self._apply(target)
             with self._cond:
-                if target is None and self._wanted_ticket == ticket and not self._dry_run:
+                if target is None and not stale and self._wanted_ticket == ticket and not self._dry_run:
                     self._erase_journal()
                 self._applied_ticket = ticket
                 self._cond.notify_all()
