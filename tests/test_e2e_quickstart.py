@@ -126,8 +126,12 @@ def test_quickstart_end_to_end(cluster):
     train_pod = core.read_namespaced_pod("quickstart-train-0", NS)  # the official client's models parse it
     assert train_pod.status.container_statuses[0].image_id and train_pod.status.container_statuses[0].image
     assert train_pod.status.container_statuses[0].state.terminated.exit_code == 0
-    reasons = {e.reason for e in core.list_namespaced_event(NS).items if e.involved_object.name == "quickstart"}
-    assert {"PhaseProfiling", "PhaseOptimizing", "PhaseTraining", "PhaseSucceeded"} <= reasons
+    wanted = {"PhaseProfiling", "PhaseOptimizing", "PhaseTraining", "PhaseSucceeded"}
+    deadline = time.monotonic() + 20  # events are posted asynchronously after the status write
+    while not wanted <= (reasons := {e.reason for e in core.list_namespaced_event(NS).items
+                                     if e.involved_object.name == "quickstart"}):
+        assert time.monotonic() < deadline, reasons
+        time.sleep(0.3)
     finished_second = wait_for(jobs, "quickstart-2", lambda j: phase(j) in ("Succeeded", "Failed"))
     assert finished_second["status"]["phase"] == "Succeeded", finished_second["status"]
 

@@ -53,6 +53,16 @@ async def events_for(kube: Kube, namespace: str, name: str) -> list[str]:
             if e.get("involvedObject", {}).get("name") == name]
 
 
+async def has_events(kube: Kube, namespace: str, name: str, reasons: set[str]) -> bool:
+    """Events are posted after the status write, asynchronously (kopf's posting queue): wait a little."""
+    deadline = time.monotonic() + 20
+    while not reasons <= set(await events_for(kube, namespace, name)):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.3)
+    return True
+
+
 async def gone(kube: Kube, namespace: str, selector: str, plurals=("pods", "configmaps", "services")) -> bool:
     """No child left with this label: the garbage collector deletes them after their owner, in time."""
     deadline = time.monotonic() + 60
@@ -99,8 +109,8 @@ async def test_jobs_reach_their_outcomes(dev_cluster, operator_release):
         assert ok["status"]["observedGeneration"] == ok["metadata"]["generation"]
         # No finalizer: a job (and its namespace) can always be deleted, operator or not.
         assert "finalizers" not in ok["metadata"]
-        assert {"PhaseProfiling", "PhaseOptimizing", "PhaseTraining", "PhaseSucceeded"} <= set(
-            await events_for(kube, "team-a", "ok"))
+        assert await has_events(kube, "team-a", "ok", {"PhaseProfiling", "PhaseOptimizing", "PhaseTraining",
+                                                       "PhaseSucceeded"}), await events_for(kube, "team-a", "ok")
 
         # A second identical job reuses the profile: no profiling pod at all.
         await kube.request("POST", path(JOBS_API, "kareusjobs", "team-a"), fake_job("again"))
@@ -115,7 +125,7 @@ async def test_jobs_reach_their_outcomes(dev_cluster, operator_release):
 
         retried = await wait_for(kube, "team-a", "retry-f1train", phase_in(*TERMINAL))
         assert retried["status"]["phase"] == "Succeeded" and retried["status"]["restarts"] == 1
-        assert "ChildRestarted" in await events_for(kube, "team-a", "retry-f1train")
+        assert await has_events(kube, "team-a", "retry-f1train", {"ChildRestarted"})
 
         doomed = await wait_for(kube, "team-a", "doomed-f9optimize", phase_in(*TERMINAL))
         assert conditions(doomed)["Failed"] == ("True", "OptimizationFailed")
@@ -170,6 +180,6 @@ async def test_objective_change_without_a_frontier_keeps_the_plan(dev_cluster, o
         await kube.merge_patch(path(JOBS_API, "kareusjobs", "obj", "obj"), changed)
         job = await wait_for(kube, "obj", "obj", phase_in(*TERMINAL))
         assert job["status"]["objective"] == "energyBudget perIterationJoules=100.0"
-        assert "ReselectFailed" in await events_for(kube, "obj", "obj")
+        assert await has_events(kube, "obj", "obj", {"ReselectFailed"})
         # 123 J measured per iteration against a 100 J budget.
         assert conditions(job)["BudgetExceeded"] == ("True", "EnergyBudgetExceeded")
