@@ -40,6 +40,8 @@ def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4, phase
                                                      "FAKE_STEPS": str(steps), "FAKE_PHASE_S": str(phase_s)}),
         "KAREUS_OPERATOR_RESYNC_S": "2", "KAREUS_OPERATOR_BACKOFF_BASE_S": "0.5",
         "KAREUS_OPERATOR_PROGRESS_INTERVAL_S": "0.2",
+        # A killed leader's Lease expires in 4 s (production: 15 s), so restarts hand over quickly.
+        "KAREUS_OPERATOR_LEASE_DURATION_S": "4",
     }
     return env
 

@@ -424,18 +424,18 @@ def test_own_service_accounts_are_bound_instead_of_created(objects):
     added, removed, changed = diff(objects["default"], objects["ownServiceAccounts"])
     assert added == set()
     assert removed == {("ServiceAccount", NAMESPACE, "kareus-operator"), ("ServiceAccount", AGENT_NS, "kareus-node-agent")}
-    assert {k for k, _, _ in changed} == {"Deployment", "DaemonSet", "ClusterRoleBinding"}
+    assert {k for k, _, _ in changed} == {"Deployment", "DaemonSet", "ClusterRoleBinding", "RoleBinding"}
     objs = objects["ownServiceAccounts"]
     assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
     assert one(objs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"] == "agent"
-    subjects = {s["name"] for (k, _, _), o in objs.items() if k == "ClusterRoleBinding" for s in o["subjects"]}
+    subjects = {s["name"] for (k, _, _), o in objs.items() if k.endswith("RoleBinding") for s in o["subjects"]}
     assert subjects == {"ops", "agent"}
 
 
 def test_rbac_create_false_removes_only_rbac(objects):
     added, removed, changed = diff(objects["default"], objects["noRbac"])
     assert added == set() and changed == set()
-    assert {k for k, _, _ in removed} == {"ClusterRole", "ClusterRoleBinding"}
+    assert {k for k, _, _ in removed} == {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 
 
 # ---------------------------------------------------------------- what the components read
@@ -494,10 +494,10 @@ def test_operator_settings_and_flags_are_what_the_operator_reads(objects, monkey
         assert container["command"] == ["kareus-operator"] and args.command == "run"
         watched = VALUE_SETS[name].get("operator", {}).get("args", {}).get("watchNamespaces", [])
         assert args.namespace == watched and list(settings.watch_namespaces) == watched
-        assert args.metrics_port == container["ports"][0]["containerPort"] and args.metrics_address == "0.0.0.0"
+        assert args.metrics_port == container["ports"][0]["containerPort"] and args.metrics_address == "$(POD_IP)"  # the pod address, from the downward API
     settings = {e["name"]: e["value"] for e in one(objects["default"], "Deployment")["spec"]["template"]["spec"][
         "containers"][0]["env"] if "value" in e}
-    assert set(settings) - {"POD_NAME", "POD_NAMESPACE"} <= {
+    assert set(settings) - {"POD_NAME", "POD_NAMESPACE", "POD_IP"} <= {
         f"KAREUS_OPERATOR_{f.upper()}" for f in settings_module.Settings.__dataclass_fields__}
 
 

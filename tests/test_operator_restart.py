@@ -7,13 +7,12 @@ that must pick the job up from what it finds in the cluster.
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
 
 import pytest
 import yaml
-from kubernetes import client, config, watch
+from kube_helpers import PodRecorder
+from kubernetes import client, config
 from operator_fakes import QUICKSTART, STEP_ENERGY_J, conditions, settings_env
 
 NS, RELEASE = "restart", "restart"
@@ -21,15 +20,6 @@ GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
 OPERATOR_SELECTOR = "app.kubernetes.io/component=operator,app.kubernetes.io/instance=" + RELEASE
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def record_pods(core: client.CoreV1Api, stop: threading.Event, seen: dict[str, set[str]]) -> None:
-    """Every pod UID created in the namespace, by name, from a watch (so none is missed between polls)."""
-    stream = watch.Watch()
-    while not stop.is_set():
-        for event in stream.stream(core.list_namespaced_pod, NS, timeout_seconds=2):
-            meta = event["object"].metadata
-            seen[meta.name].add(meta.uid)
 
 
 def job_status(jobs: client.CustomObjectsApi) -> dict:
@@ -49,30 +39,25 @@ def test_operator_killed_in_every_phase_resumes_without_duplicates(dev_cluster, 
                                            settings=settings_env(tmp_path, step_s=0.4, steps=6, phase_s=2.0))
     api = config.new_client_from_config(config_file=str(dev_cluster.kubeconfig))
     core, jobs = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    seen: dict[str, set[str]] = collections.defaultdict(set)
-    stop = threading.Event()
-    recorder = threading.Thread(target=record_pods, args=(core, stop, seen), daemon=True)
-    recorder.start()
     try:
-        job = yaml.safe_load(QUICKSTART.read_text())
-        del job["spec"]["training"]["command"]
-        jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
+        with PodRecorder(core, NS) as seen:
+            job = yaml.safe_load(QUICKSTART.read_text())
+            del job["spec"]["training"]["command"]
+            jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
 
-        killed = []
-        for phase in ("Profiling", "Optimizing", "Training"):
-            deadline = time.monotonic() + 120
-            while job_status(jobs).get("phase") != phase:
-                assert time.monotonic() < deadline, f"never saw phase {phase}: {job_status(jobs)}"
-                time.sleep(0.05)
-            killed.append((phase, kill_operator(core)))
+            killed = []
+            for phase in ("Profiling", "Optimizing", "Training"):
+                deadline = time.monotonic() + 120
+                while job_status(jobs).get("phase") != phase:
+                    assert time.monotonic() < deadline, f"never saw phase {phase}: {job_status(jobs)}"
+                    time.sleep(0.05)
+                killed.append((phase, kill_operator(core)))
 
-        deadline = time.monotonic() + 180
-        while (status := job_status(jobs)).get("phase") not in ("Succeeded", "Failed"):
-            assert time.monotonic() < deadline, f"job never finished: {status}"
-            time.sleep(0.2)
+            deadline = time.monotonic() + 180
+            while (status := job_status(jobs)).get("phase") not in ("Succeeded", "Failed"):
+                assert time.monotonic() < deadline, f"job never finished: {status}"
+                time.sleep(0.2)
     finally:
-        stop.set()
-        recorder.join(timeout=10)
         dev_cluster.uninstall(objects)
 
     final = jobs.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "quickstart")

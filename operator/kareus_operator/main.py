@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handler call is noise
     namespaces = args.namespace or list(settings.watch_namespaces)
 
-    async def main() -> None:
+    async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -74,15 +76,48 @@ def _run(args: argparse.Namespace) -> int:
 
                 server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=controller.metrics.registry)
                 print(f"metrics on http://{args.metrics_address}:{server.server_port}/metrics", flush=True)
-            resync = asyncio.create_task(controller.resync_forever(namespaces))
+            elector = _elector(kube, settings)
+            lost = asyncio.Event()
+            if elector is not None:
+                acquiring = asyncio.create_task(elector.acquire())
+                stopping = asyncio.create_task(stop.wait())
+                await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                stopping.cancel()
+                if not acquiring.done():  # asked to stop while waiting for the Lease
+                    acquiring.cancel()
+                    return 0
+            tasks = [asyncio.create_task(controller.resync_forever(namespaces))]
+            if elector is not None:
+                tasks += [asyncio.create_task(elector.hold(lost)), asyncio.create_task(_stop_when(lost, stop))]
             try:
                 await kopf.operator(registry=registry, settings=kopf_settings, standalone=True,
                                     clusterwide=not namespaces, namespaces=namespaces, stop_flag=stop)
             finally:
-                resync.cancel()
+                for task in tasks:
+                    task.cancel()
+                if elector is not None and not lost.is_set():
+                    await elector.release()
+        return 1 if lost.is_set() else 0  # a lost Lease: exit, so the pod restarts as a candidate
 
-    asyncio.run(main())
-    return 0
+    return asyncio.run(main())
+
+
+def _elector(kube, settings):
+    """The Lease election of `settings.leader_election_lease` (empty: none, one replica acts alone)."""
+    if not settings.leader_election_lease:
+        return None
+    from kareus_operator.leader import LeaderElector, LeaseSettings
+
+    identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+    namespace = os.environ.get("POD_NAMESPACE") or settings.policy_namespace
+    lease_s = settings.lease_duration_s
+    return LeaderElector(kube, LeaseSettings(namespace, settings.leader_election_lease, identity, lease_s=lease_s,
+                                             renew_s=lease_s / 3, retry_s=min(2.0, lease_s / 5)))
+
+
+async def _stop_when(lost: asyncio.Event, stop: asyncio.Event) -> None:
+    await lost.wait()
+    stop.set()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,6 +57,9 @@ class Settings:
     # ConfigMap write and one status write.
     progress_interval_s: float = 60.0
     watch_namespaces: tuple[str, ...] = ()
+    # Replicas elect a leader on this Lease (in the pod's namespace); empty: no election.
+    leader_election_lease: str = "kareus-operator"
+    lease_duration_s: float = 15.0
     extra_pod_env: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod

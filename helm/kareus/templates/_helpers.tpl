@@ -116,7 +116,7 @@ ConfigMaps it owns (the policy ConfigMap is read through the same rule), and the
 - --namespace={{ . }}
 {{- end }}
 - --metrics-port={{ $args.metricsPort }}
-- --metrics-address=0.0.0.0
+- --metrics-address=$(POD_IP)
 {{- if $args.verbose }}
 - --verbose
 {{- end }}
@@ -176,6 +176,7 @@ clockBounds:
 - --node-name=$(NODE_NAME)
 - --proc-root=/proc
 - --metrics-port={{ $agent.metricsPort }}
+- --metrics-address=$(POD_IP)
 - --log-format={{ $agent.logFormat }}
 - --log-level={{ $agent.logLevel | upper }}
 {{- range $agent.extraArgs }}
@@ -231,6 +232,8 @@ kareus.dev/job-name
   value: {{ .Values.workers.serviceAccountName | quote }}
 - name: KAREUS_OPERATOR_WATCH_NAMESPACES
   value: {{ join "," .Values.operator.args.watchNamespaces | quote }}
+- name: KAREUS_OPERATOR_LEADER_ELECTION_LEASE
+  value: {{ include "kareus.operator.fullname" . | quote }}
 {{- range $name, $value := .Values.operator.settings }}
 - name: {{ printf "KAREUS_OPERATOR_%s" $name }}
   value: {{ $value | quote }}

@@ -97,6 +97,7 @@ class DevCluster:
         self.pod_env = dict(pod_env or {})
         self.worker_namespaces, self.watch_namespaces = list(worker_namespaces), list(watch_namespaces)
         self.nodes: list[Node] = []
+        self._addresses = 0  # nodes started so far: node k listens on 127.0.0.k
         self._short_root: Path | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -155,7 +156,9 @@ class DevCluster:
         plane = self.control_plane
         assert plane is not None and plane.ca is not None and self._short_root is not None
         identity = plane.identity(f"node-{name}", f"system:node:{name}", ("system:nodes",))
-        serving = plane.ca.issue(f"kubelet-{name}", name, server=True, ips=("127.0.0.1",), dns=(name, "localhost"))
+        self._addresses += 1  # never reused: a removed node's address may still be bound a moment
+        address = f"127.0.0.{self._addresses}"
+        serving = plane.ca.issue(f"kubelet-{name}", name, server=True, ips=(address,), dns=(name, "localhost"))
         root = self._short_root / name
         (self.workdir / "nodes").mkdir(exist_ok=True)
         link = self.workdir / "nodes" / name
@@ -164,7 +167,7 @@ class DevCluster:
         config = {
             "spec": {"name": name, "gpus": gpus, "gpu_product": self.gpu_product,
                      "gpu_uuids": node_gpu_uuids(name, gpus, self.gpu_product) if gpus else [], "taint_gpus": taint,
-                     "max_pods": self.pods_per_node},
+                     "max_pods": self.pods_per_node, "address": address},
             "root": str(root), "server": plane.url, "ca_file": str(plane.ca_file),
             "cert_file": str(identity.pair.cert_file), "key_file": str(identity.pair.key_file),
             "serving_cert_file": str(serving.cert_file), "serving_key_file": str(serving.key_file),
@@ -260,14 +263,33 @@ class DevCluster:
 
     def install_operator(self, release: str, namespace: str, *, watch_namespaces: Sequence[str],
                          settings: Mapping[str, str], args: Sequence[str] = (),
-                         policy: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+                         policy: Mapping[str, Any] | None = None,
+                         operator_values: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """Another operator (no node agent, CRD left to the main release) watching only its namespaces,
-        with its own settings and cluster policy (chart value `policy`)."""
+        with its own settings, cluster policy (chart value `policy`) and other `operator.*` values."""
         values = self.values(operator=True, node_agent=False, settings=settings, args=args,
                              worker_namespaces=watch_namespaces, watch_namespaces=watch_namespaces, crds=False)
+        values["operator"].update(operator_values or {})
         if policy is not None:
             values["policy"] = dict(policy)
         return self.install(release, namespace, values)
+
+    def add_node(self, *, gpus: int = 0) -> str:
+        """One more emulated node (its own loopback address); its name."""
+        name = node_name(self._addresses)
+        self.nodes.append(self._start_node(name, gpus=gpus, taint=False))
+        self._wait_nodes_ready()
+        return name
+
+    def remove_node(self, name: str) -> None:
+        """Stop a node and delete its Node object (its pods go with it, as after a drain)."""
+        node = next(n for n in self.nodes if n.name == name)
+        self.kubectl("drain", name, "--force", "--ignore-daemonsets", "--delete-emptydir-data",
+                     "--grace-period=5", "--timeout=60s", check=False)
+        stop_process(node.process, grace_s=15.0)
+        remove_cgroups(node_cgroup(node.name, node.process.pid))
+        self.nodes.remove(node)
+        self.kubectl("delete", "node", name, "--wait=false", check=False)
 
     def uninstall(self, objects: Sequence[Mapping[str, Any]]) -> None:
         """Delete what `install` applied, CRDs and namespaces excepted (the chart keeps users' jobs)."""

@@ -93,6 +93,9 @@ class NodeSpec:
     cpu: str = "16"
     memory: str = "128Gi"
     max_pods: int = 110
+    # Every pod of the node has this address (no network namespaces): a loopback address of its own
+    # per node, so two nodes' pods can listen on the same port as on two machines.
+    address: str = "127.0.0.1"
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def node_labels(self) -> dict[str, str]:
@@ -237,7 +240,8 @@ class EmulatedNode:
                      "lastTransitionTime": now} for kind in ("MemoryPressure", "DiskPressure", "PIDPressure")]
         return {
             "capacity": capacity, "allocatable": dict(capacity), "conditions": [*pressure, ready],
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.spec.name}],
+            "addresses": [{"type": "InternalIP", "address": self.spec.address},
+                          {"type": "Hostname", "address": self.spec.name}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
             "nodeInfo": {"machineID": hashlib.md5(self.spec.name.encode()).hexdigest(),
                          "systemUUID": hashlib.md5(self.spec.name.encode()).hexdigest(),
@@ -545,8 +549,8 @@ class EmulatedNode:
 
         finished = "PodCompleted" if run.phase in ("Succeeded", "Failed") else "ContainersNotReady"
         status: dict[str, Any] = {
-            "phase": run.phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}], "podIP": "127.0.0.1",
-            "podIPs": [{"ip": "127.0.0.1"}], "startTime": run.start_time,
+            "phase": run.phase, "hostIP": self.spec.address, "hostIPs": [{"ip": self.spec.address}],
+            "podIP": self.spec.address, "podIPs": [{"ip": self.spec.address}], "startTime": run.start_time,
             "conditions": [condition("PodReadyToStartContainers", True), condition("Initialized", initialized,
                                                                                "ContainersNotInitialized"),
                            condition("Ready", ready, finished), condition("ContainersReady", ready, finished)],
@@ -653,7 +657,7 @@ class EmulatedNode:
         files = {}
         for item in items:
             if "fieldRef" in item:
-                files[item["path"]] = field_value(run.body, item["fieldRef"]["fieldPath"]).encode()
+                files[item["path"]] = field_value(run.body, item["fieldRef"]["fieldPath"], self.spec.address).encode()
         return files
 
     async def _token(self, run: PodRun, source: Mapping[str, Any]) -> str:
@@ -723,7 +727,7 @@ class EmulatedNode:
             return "127.0.0.1" if _SVC_NAME.match(value) else value
         source = var.get("valueFrom") or {}
         if "fieldRef" in source:
-            return field_value(run.body, source["fieldRef"]["fieldPath"])
+            return field_value(run.body, source["fieldRef"]["fieldPath"], self.spec.address)
         if "resourceFieldRef" in source:
             return resource_value(container.spec, source["resourceFieldRef"])
         for key, plural in (("configMapKeyRef", "configmaps"), ("secretKeyRef", "secrets")):
@@ -757,7 +761,7 @@ class EmulatedNode:
         context.verify_mode = ssl.CERT_REQUIRED  # only the API server (its kubelet-client certificate) may ask
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.kubelet_port, ssl_context=context).start()
+        await web.TCPSite(self._runner, self.spec.address, self.kubelet_port, ssl_context=context).start()
 
     async def _logs(self, request: web.Request) -> web.StreamResponse:
         namespace, name, container_name = (request.match_info[k] for k in ("namespace", "pod", "container"))
@@ -844,14 +848,14 @@ def expand(value: str, env: Mapping[str, str]) -> str:
     return _VAR_REF.sub(replace, value)
 
 
-def field_value(pod: Mapping[str, Any], field_path: str) -> str:
+def field_value(pod: Mapping[str, Any], field_path: str, address: str = "127.0.0.1") -> str:
     meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status") or {}
     if match := re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", field_path):
         return str((meta.get(match.group(1)) or {}).get(match.group(2), ""))
     simple = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"),
               "metadata.uid": meta.get("uid"), "spec.nodeName": spec.get("nodeName"),
-              "spec.serviceAccountName": spec.get("serviceAccountName"), "status.hostIP": "127.0.0.1",
-              "status.hostIPs": "127.0.0.1", "status.podIP": "127.0.0.1", "status.podIPs": "127.0.0.1"}
+              "spec.serviceAccountName": spec.get("serviceAccountName"), "status.hostIP": address,
+              "status.hostIPs": address, "status.podIP": address, "status.podIPs": address}
     if field_path in ("metadata.labels", "metadata.annotations"):
         return "\n".join(f'{k}="{v}"' for k, v in sorted((meta.get(field_path.split(".")[1]) or {}).items()))
     value = simple.get(field_path, status.get(field_path.removeprefix("status.")) if field_path.startswith("status.") else None)

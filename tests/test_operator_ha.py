@@ -1,0 +1,109 @@
+"""Two operator replicas: exactly one leads (a Lease), the leader's death hands over, no child twice.
+
+The replicas run on two emulated nodes (each node has its own loopback address, so both can serve
+metrics on the chart's port); a required pod anti-affinity keeps them apart, as a platform team
+would. The leader is force-deleted while a job trains: the other replica must take the Lease
+within a bounded time and finish the job without creating any child a second time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+from kube_helpers import PodRecorder
+from kubernetes import client, config
+from operator_fakes import QUICKSTART, conditions, settings_env
+
+NS, RELEASE = "ha", "ha"
+GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
+SELECTOR = f"app.kubernetes.io/component=operator,app.kubernetes.io/instance={RELEASE}"
+LEASE_S = 4.0
+
+pytestmark = pytest.mark.timeout(300)
+
+SPREAD = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+    {"topologyKey": "kubernetes.io/hostname",
+     "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "operator",
+                                       "app.kubernetes.io/instance": RELEASE}}}]}}
+
+
+@pytest.fixture
+def second_node(dev_cluster):
+    name = dev_cluster.add_node()
+    yield name
+    dev_cluster.remove_node(name)
+
+
+def holder(coordination: client.CoordinationV1Api) -> str:
+    return coordination.read_namespaced_lease(f"{RELEASE}-kareus-operator", f"{RELEASE}-system").spec.holder_identity
+
+
+def operator_pods(core: client.CoreV1Api) -> list:
+    return [p for p in core.list_namespaced_pod(f"{RELEASE}-system", label_selector=SELECTOR).items
+            if p.metadata.deletion_timestamp is None]
+
+
+def test_one_leader_and_a_bounded_handover(dev_cluster, second_node, tmp_path):
+    settings = settings_env(tmp_path, step_s=0.3, steps=40) | {"KAREUS_OPERATOR_LEASE_DURATION_S": str(LEASE_S)}
+    objects = dev_cluster.install_operator(RELEASE, f"{RELEASE}-system", watch_namespaces=[NS], settings=settings,
+                                           operator_values={"replicas": 2, "affinity": SPREAD})
+    api = config.new_client_from_config(config_file=str(dev_cluster.kubeconfig))
+    core, jobs = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    coordination = client.CoordinationV1Api(api)
+    try:
+        pods = operator_pods(core)
+        assert len(pods) == 2 and len({p.spec.node_name for p in pods}) == 2
+        deadline = time.monotonic() + 60
+        while not (leader := holder_or_none(coordination)):
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        names = {p.metadata.name for p in pods}
+        assert leader in names
+        (follower,) = names - {leader}
+        wait_log(core, follower, "waiting for the Lease")
+
+        with PodRecorder(core, NS) as seen:
+            job = yaml.safe_load(QUICKSTART.read_text())
+            del job["spec"]["training"]["command"]
+            jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
+            wait_phase(jobs, "Training")
+            core.delete_namespaced_pod(leader, f"{RELEASE}-system", grace_period_seconds=0)
+            killed_at = time.monotonic()
+            while holder_or_none(coordination) != follower:
+                assert time.monotonic() - killed_at < 3 * LEASE_S + 10, "no handover"
+                time.sleep(0.2)
+            final = wait_phase(jobs, "Succeeded", "Failed", timeout_s=180)
+        assert final["status"]["phase"] == "Succeeded"
+        assert conditions(final)["Complete"] == ("True", "Completed") and final["status"]["restarts"] == 0
+        assert sorted(seen) == ["quickstart-optimize", "quickstart-profile", "quickstart-train-0"]
+        assert all(len(uids) == 1 for uids in seen.values()), dict(seen)
+        # The replacement pod the ReplicaSet started is a candidate now, not a second actor.
+        replacement = {p.metadata.name for p in operator_pods(core)} - {follower}
+        assert len(replacement) == 1 and holder(coordination) == follower
+    finally:
+        dev_cluster.uninstall(objects)
+
+
+def holder_or_none(coordination: client.CoordinationV1Api) -> str | None:
+    try:
+        return holder(coordination) or None
+    except client.ApiException:
+        return None
+
+
+def wait_log(core: client.CoreV1Api, pod: str, text: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in (log := core.read_namespaced_pod_log(pod, f"{RELEASE}-system")):
+        assert time.monotonic() < deadline, log[-2000:]
+        time.sleep(0.3)
+
+
+def wait_phase(jobs: client.CustomObjectsApi, *phases: str, timeout_s: float = 90.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (job := jobs.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "quickstart")).get(
+            "status", {}).get("phase") not in phases:
+        assert time.monotonic() < deadline, job.get("status")
+        time.sleep(0.2)
+    return job
