@@ -143,18 +143,30 @@ async def phases(kube: Kube) -> dict[str, int]:
     return counts
 
 
-async def steady_load(kube: Kube, metrics: ApiServerMetrics, window_s: float) -> dict[str, float] | None:
-    """Requests/s per training job over a window in which the number of training jobs is steady."""
-    before, counts_before = metrics.counters(), await phases(kube)
+async def steady_load(kube: Kube, metrics: ApiServerMetrics, jobs: int, window_s: float, settle_s: float,
+                      train_s: float) -> dict[str, float] | None:
+    """Per training job, over `window_s` in which exactly `jobs` jobs train and nothing else happens:
+    create them, wait until all train and `settle_s` more (their start-up writes are over), measure."""
+    gate = asyncio.Semaphore(20)
+
+    async def create(i: int) -> None:
+        async with gate:
+            await kube.request("POST", JOBS, job_manifest(9, i, train_s))
+
+    await asyncio.gather(*(create(i) for i in range(jobs)))
+    while (await phases(kube)).get("Training", 0) < jobs:
+        await asyncio.sleep(1.0)
+    await asyncio.sleep(settle_s)
+    before = metrics.counters()
     start = time.monotonic()
     await asyncio.sleep(window_s)
-    after, counts_after = metrics.counters(), await phases(kube)
+    after, counts = metrics.counters(), await phases(kube)
     elapsed = time.monotonic() - start
-    training = (counts_before.get("Training", 0) + counts_after.get("Training", 0)) / 2
-    if training < 1:
-        return None
-    per_s = {key: (after.get(key, 0.0) - before.get(key, 0.0)) / elapsed / training for key in after}
-    return {"training_jobs": training, "operator requests/s": per_s.get("operator requests", 0.0),
+    await delete_all(kube)
+    if counts.get("Training", 0) != jobs:
+        return None  # a job finished or failed inside the window: not a steady state
+    per_s = {key: (after.get(key, 0.0) - before.get(key, 0.0)) / elapsed / jobs for key in after}
+    return {"training_jobs": jobs, "operator requests/s": per_s.get("operator requests", 0.0),
             "kareusjobs writes/min": 60 * per_s.get("kareusjobs writes", 0.0),
             "configmaps writes/min": 60 * per_s.get("configmaps writes", 0.0)}
 
