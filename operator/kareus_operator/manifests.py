@@ -88,6 +88,17 @@ def master_port(job_uid: str) -> int:
     return 20000 + zlib.crc32(job_uid.encode()) % 20000
 
 
+def metrics_port(job_uid: str) -> int:
+    """The base of a training pod's metrics ports (local rank r serves base + r): per job, for the
+    same reason as `master_port`; 8-port blocks in 41000–56999."""
+    return 41000 + (zlib.crc32(f"metrics/{job_uid}".encode()) % 2000) * 8
+
+
+def metrics_port_name(local_rank: int) -> str:
+    """`metrics` for local rank 0 (what the chart's PodMonitor selects), `metrics-<r>` after it."""
+    return "metrics" if local_rank == 0 else f"metrics-{local_rank}"
+
+
 def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
     meta = job["metadata"]
     return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
@@ -199,6 +210,7 @@ def train_pod(job: Mapping[str, Any], spec: JobSpec, settings: Settings, index: 
         "MASTER_ADDR": f"{train_pod_name(name, 0)}.{train_service_name(name)}.{namespace}.svc",
         "MASTER_PORT": str(master_port(meta["uid"])), "NNODES": str(training.nodes), "NODE_RANK": str(index),
         "NPROC_PER_NODE": str(training.gpus_per_node), "KAREUS_DAEMON_SOCKET": f"{settings.node_socket_dir}/node.sock",
+        "KAREUS_METRICS_PORT": str(metrics_port(meta["uid"])),
         **{var.name: var.value for var in training.env},
     }
     plan_volume = ("plan", {"configMap": {"name": plan_configmap_name(name)}}, MOUNT_PLAN)
@@ -214,6 +226,10 @@ def train_pod(job: Mapping[str, Any], spec: JobSpec, settings: Settings, index: 
         for part in ("requests", "limits"):
             resources.setdefault(part, {}).update(getattr(training.resources, part))
     pod["spec"]["containers"][0]["resources"] = resources
+    base = metrics_port(meta["uid"])  # one Prometheus endpoint per local rank (its GPU's series)
+    pod["spec"]["containers"][0]["ports"] = [
+        {"name": metrics_port_name(rank), "containerPort": base + rank, "protocol": "TCP"}
+        for rank in range(training.gpus_per_node)]
     gpu = (job["spec"].get("gpu") or {}).get("product")
     if gpu:
         pod["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": gpu if gpu.startswith("NVIDIA") else f"NVIDIA-{gpu}"}
