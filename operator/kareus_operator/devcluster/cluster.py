@@ -49,6 +49,10 @@ NODE_GPU_PRODUCT = "A100-SXM4-40GB"
 CHART = REPO_ROOT / "helm" / "kareus"
 RELEASE, RELEASE_NAMESPACE = "kareus", "kareus-system"
 STARTUP_TIMEOUT_S = 180.0
+# The kinds the chart renders, in Helm's install order: a workload starts only once the
+# ServiceAccount, ConfigMaps and RBAC it runs with exist.
+INSTALL_ORDER = ("Namespace", "CustomResourceDefinition", "ServiceAccount", "Secret", "ConfigMap", "ClusterRole",
+                 "ClusterRoleBinding", "Role", "RoleBinding", "Service", "DaemonSet", "Deployment")
 
 
 def node_name(index: int) -> str:
@@ -230,8 +234,8 @@ class DevCluster:
             manifests = chart.render(dict(values), name=release, namespace=namespace)
         objects = [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
                    for doc in yaml.safe_load_all(text) if doc]
-        first = {"Namespace": 0, "CustomResourceDefinition": 1}
-        return sorted(objects, key=lambda obj: first.get(obj["kind"], 2))
+        return sorted(objects, key=lambda obj: INSTALL_ORDER.index(obj["kind"]) if obj["kind"] in INSTALL_ORDER
+                      else len(INSTALL_ORDER))
 
     def install(self, release: str, namespace: str, values: Mapping[str, Any]) -> list[dict[str, Any]]:
         """`helm install`'s effect: namespaces, then the rendered objects applied (CRDs first), then wait
@@ -292,10 +296,17 @@ class DevCluster:
         self.kubectl("delete", "node", name, "--wait=false", check=False)
 
     def uninstall(self, objects: Sequence[Mapping[str, Any]]) -> None:
-        """Delete what `install` applied, CRDs and namespaces excepted (the chart keeps users' jobs)."""
+        """Delete what `install` applied, as `helm uninstall` orders it: the workloads first, waiting
+        until their pods are gone (foreground), then RBAC and the rest — so no pod outlives the
+        permissions it runs with. CRDs and namespaces stay (the chart keeps users' jobs)."""
         kept = {"CustomResourceDefinition", "Namespace"}
-        stream = yaml.safe_dump_all([o for o in objects if o["kind"] not in kept], sort_keys=False)
-        self.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-", input=stream)
+        workloads = [o for o in objects if o["kind"] in ("Deployment", "DaemonSet")]
+        rest = [o for o in objects if o["kind"] not in kept and o not in workloads]
+        for batch, wait in ((workloads, ["--cascade=foreground", "--wait=true", "--timeout=120s"]),
+                            (rest, ["--wait=false"])):
+            if batch:
+                self.kubectl("delete", "--ignore-not-found", *wait, "-f", "-",
+                             input=yaml.safe_dump_all(batch, sort_keys=False))
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
         assert self.control_plane is not None

@@ -197,9 +197,20 @@ class ControlPlane:
             f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=default={peer}",
             "--log-level=warn", "--unsafe-no-fsync"])  # test data: durability across power loss is not wanted
 
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (JSON lines, level Metadata): who asked for what, and the
+        authorizer's decision — what RBAC tests read."""
+        return self.workdir / "audit.log"
+
     def _start_apiserver(self, serving: KeyPair) -> None:
         assert self.sa_keys is not None and self.kubelet_client is not None and self.front_proxy is not None
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump({"apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+                                          "omitStages": ["RequestReceived"], "rules": [{"level": "Metadata"}]}))
         self._spawn("kube-apiserver", [
+            f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
+            "--audit-log-maxsize=200", "--audit-log-maxbackup=1",
             f"--etcd-servers=http://127.0.0.1:{self.etcd_port}", "--bind-address=127.0.0.1",
             f"--secure-port={self.port}", "--advertise-address=127.0.0.1",
             f"--tls-cert-file={serving.cert_file}", f"--tls-private-key-file={serving.key_file}",
