@@ -27,7 +27,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "kareus"
 RELEASE, NAMESPACE = "kareus", "kareus-system"
-KUBE_VERSIONS = ("1.29", "1.37")
+KUBE_VERSIONS = ("1.30", "1.37")
 Key = tuple[str, str, str]  # kind, namespace, name
 
 POLICY = {

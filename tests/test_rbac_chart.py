@@ -76,33 +76,92 @@ def test_the_chart_grants_every_verb_its_components_use(dev_cluster):
     assert worker_writes and {resource for _, resource in worker_writes} == {"configmaps"}
 
 
-def test_a_worker_token_can_do_nothing_but_write_configmaps_of_its_namespace(dev_cluster, kube_client):
-    core = client.CoreV1Api(kube_client)
-    objects = dev_cluster.install_operator(f"{RELEASE}2", f"{RELEASE}2-system", watch_namespaces=[f"{NS}2"],
+def worker_pod(core: client.CoreV1Api, namespace: str, name: str) -> client.V1Pod:
+    """A pod running as the workers' ServiceAccount (what the operator starts), left sleeping."""
+    import sys
+
+    core.create_namespaced_pod(namespace, {"metadata": {"name": name}, "spec": {
+        "serviceAccountName": "kareus-worker", "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+        "containers": [{"name": "main", "image": "example.org/test:1",
+                        "command": [sys.executable, "-c", "import time; time.sleep(600)"]}]}})
+    deadline = time.monotonic() + 60
+    while (pod := core.read_namespaced_pod(name, namespace)).status.phase != "Running":
+        assert time.monotonic() < deadline, pod.status
+        time.sleep(0.2)
+    return pod
+
+
+def token_client(dev_cluster, core: client.CoreV1Api, namespace: str, pod: client.V1Pod | None) -> client.CoreV1Api:
+    """The CoreV1Api of a workers' token, bound to `pod` as a kubelet's projected token is (or unbound)."""
+    spec: dict = {"expirationSeconds": 600}
+    if pod is not None:
+        spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod", "name": pod.metadata.name, "uid": pod.metadata.uid}
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+    token = core.create_namespaced_service_account_token("kareus-worker", namespace, request).status.token
+    plane = dev_cluster.control_plane
+    configuration = client.Configuration()
+    configuration.host, configuration.ssl_ca_cert = plane.url, str(plane.ca_file)
+    configuration.api_key = {"authorization": f"Bearer {token}"}
+    return client.CoreV1Api(client.ApiClient(configuration))
+
+
+def refused(call) -> str:
+    with pytest.raises(ApiException) as error:
+        call()
+    assert error.value.status in (403, 422), error.value.body
+    return error.value.body
+
+
+@pytest.fixture(scope="module")
+def worker_namespace(dev_cluster):
+    namespace = f"{NS}2"
+    objects = dev_cluster.install_operator(f"{RELEASE}2", f"{RELEASE}2-system", watch_namespaces=[namespace],
                                            settings={})
-    try:
-        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                   "spec": {"expirationSeconds": 600}}
-        token = core.create_namespaced_service_account_token("kareus-worker", f"{NS}2", request).status.token
-        plane = dev_cluster.control_plane
-        configuration = client.Configuration()
-        configuration.host, configuration.ssl_ca_cert = plane.url, str(plane.ca_file)
-        configuration.api_key = {"authorization": f"Bearer {token}"}
-        worker_api = client.ApiClient(configuration)
-        as_worker = client.CoreV1Api(worker_api)
-        as_worker.create_namespaced_config_map(f"{NS}2", {"metadata": {"name": "mine"}, "data": {"a": "1"}})
-        refused = {
-            "read secrets": lambda: as_worker.list_namespaced_secret(f"{NS}2"),
-            "delete pods": lambda: as_worker.delete_collection_namespaced_pod(f"{NS}2"),
-            "write another namespace": lambda: as_worker.create_namespaced_config_map(
-                "default", {"metadata": {"name": "theirs"}, "data": {}}),
-            "patch KareusJobs": lambda: client.CustomObjectsApi(worker_api).patch_namespaced_custom_object_status(
-                "kareus.dev", "v1alpha1", f"{NS}2", "kareusjobs", "any", {"status": {}}),
-            "list nodes": lambda: as_worker.list_node(),
-        }
-        for what, call in refused.items():
-            with pytest.raises(ApiException) as error:
-                call()
-            assert error.value.status == 403, what
-    finally:
-        dev_cluster.uninstall(objects)
+    yield namespace
+    dev_cluster.uninstall(objects)
+
+
+def test_a_worker_token_can_do_nothing_but_write_configmaps_of_its_namespace(dev_cluster, kube_client,
+                                                                            worker_namespace):
+    core = client.CoreV1Api(kube_client)
+    as_worker = token_client(dev_cluster, core, worker_namespace, worker_pod(core, worker_namespace, "w-train-0"))
+    as_worker.create_namespaced_config_map(worker_namespace, {"metadata": {
+        "name": "w-progress", "labels": {"kareus.dev/job-name": "w"}}, "data": {"a": "1"}})
+    worker_api = as_worker.api_client
+    for what, call in {
+        "read secrets": lambda: as_worker.list_namespaced_secret(worker_namespace),
+        "delete pods": lambda: as_worker.delete_collection_namespaced_pod(worker_namespace),
+        "write another namespace": lambda: as_worker.create_namespaced_config_map(
+            "default", {"metadata": {"name": "theirs", "labels": {"kareus.dev/job-name": "w"}}, "data": {}}),
+        "patch KareusJobs": lambda: client.CustomObjectsApi(worker_api).patch_namespaced_custom_object_status(
+            "kareus.dev", "v1alpha1", worker_namespace, "kareusjobs", "any", {"status": {}}),
+        "list nodes": lambda: as_worker.list_node(),
+    }.items():
+        with pytest.raises(ApiException) as error:
+            call()
+        assert error.value.status == 403, what
+
+
+def test_a_worker_writes_only_its_own_jobs_configmaps(dev_cluster, kube_client, worker_namespace):
+    """The chart's ValidatingAdmissionPolicy, in the real API server: what RBAC cannot express."""
+    ns = worker_namespace
+    core = client.CoreV1Api(kube_client)
+    for name, labels in (("a-plan", {"kareus.dev/job-name": "a"}), ("b-plan", {"kareus.dev/job-name": "b"}),
+                         ("kareus-profile-k", {"kareus.dev/profile-key": "k"})):
+        core.create_namespaced_config_map(ns, {"metadata": {"name": name, "labels": labels}, "data": {"v": "0"}})
+    a_train = token_client(dev_cluster, core, ns, worker_pod(core, ns, "a-train-0"))
+    b_profile = token_client(dev_cluster, core, ns, worker_pod(core, ns, "b-profile"))
+    unbound = token_client(dev_cluster, core, ns, None)
+
+    a_train.patch_namespaced_config_map("a-plan", ns, {"data": {"v": "1"}})  # its own job's: fine
+    b_profile.patch_namespaced_config_map("kareus-profile-k", ns, {"data": {"v": "2"}})  # profiling writes caches
+    message = refused(lambda: a_train.patch_namespaced_config_map("b-plan", ns, {"data": {"v": "x"}}))
+    assert "may write only its own job's ConfigMaps" in message
+    refused(lambda: a_train.patch_namespaced_config_map("kareus-profile-k", ns, {"data": {"v": "x"}}))
+    refused(lambda: a_train.patch_namespaced_config_map(  # relabelling another job's ConfigMap as its own
+        "b-plan", ns, {"metadata": {"labels": {"kareus.dev/job-name": "a"}}}))
+    refused(lambda: a_train.delete_namespaced_config_map("b-plan", ns))
+    refused(lambda: a_train.create_namespaced_config_map(ns, {"metadata": {"name": "loose"}, "data": {}}))
+    assert "bound to its pod" in refused(lambda: unbound.patch_namespaced_config_map("a-plan", ns, {"data": {"v": "y"}}))
+    assert core.read_namespaced_config_map("b-plan", ns).data == {"v": "0"}
+    assert core.read_namespaced_config_map("kareus-profile-k", ns).data == {"v": "2"}
