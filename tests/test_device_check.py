@@ -33,6 +33,7 @@ runpy.run_path({str(SCRIPT)!r}, run_name="__main__")
 def _load():
     spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
