@@ -71,6 +71,13 @@ def test_the_chart_grants_every_verb_its_components_use(dev_cluster):
         assert denied == [], f"{user} was denied by RBAC: {denied}"
     operator_verbs = {(e["verb"], e.get("objectRef", {}).get("resource")) for e in by_user[OPERATOR]}
     assert ("delete", "kareusjobs") in operator_verbs and ("create", "pods") in operator_verbs
+    # What RBAC cannot restrict, the components restrict themselves — and the log shows it:
+    # the node agent lists only its node's pods, the operator lists only the ConfigMaps it labels.
+    for user, resource, selector in ((NODE_AGENT, "pods", "fieldSelector=spec.nodeName"),
+                                     (OPERATOR, "configmaps", "labelSelector=")):
+        collections = [e["requestURI"] for e in by_user[user] if e["verb"] in ("list", "watch")
+                       and e.get("objectRef", {}).get("resource") == resource]
+        assert collections and all(selector in uri.replace("%3D", "=") for uri in collections), collections
     worker_writes = {(e["verb"], e.get("objectRef", {}).get("resource")) for e in by_user[WORKER]
                      if e["verb"] in ("create", "patch", "update")}
     assert worker_writes and {resource for _, resource in worker_writes} == {"configmaps"}

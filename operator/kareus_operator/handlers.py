@@ -3,7 +3,9 @@
 - every KareusJob event reconciles that job, and a resync loop (one LIST per `resync_s`) every job
   — not kopf timers, which would put a finalizer on every job;
 - events of pods and ConfigMaps labelled with a job name reconcile their job (children's changes
-  drive progress without polling);
+  drive progress without polling); they are watched with that label selector on the server, so
+  the operator never reads the namespaces' other ConfigMaps and pods (kopf's label filters are
+  client-side);
 - a job's DELETED event forgets its metrics; the children go with the job through
   ownerReferences. There is no deletion handler, hence no finalizer: nothing has to happen
   before a job may go, so an uninstalled operator never blocks a job's (or its namespace's)
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -101,9 +106,28 @@ class Controller:
                 self._written[key] = written["metadata"]["resourceVersion"]
         self.metrics.observe(job["metadata"]["uid"], outcome.status["phase"])
         for type_, reason, message in outcome.events:
-            kopf.event(job, type=type_, reason=reason, message=message[:1024])
+            await self._post_event(job, type_, reason, message)
         if outcome.requeue_s is not None:
             self._wake_later(key, outcome.requeue_s)
+
+    async def _post_event(self, job: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the job, written directly: reconciles also run outside kopf's handler
+        context (child watches, resync), where kopf.event has no queue to post to."""
+        meta = job["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {"apiVersion": "v1", "kind": "Event",
+                 "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                 "involvedObject": {"apiVersion": API_VERSION, "kind": "KareusJob", "name": meta["name"],
+                                    "namespace": meta["namespace"], "uid": meta["uid"],
+                                    "resourceVersion": meta.get("resourceVersion", "")},
+                 "type": type_, "reason": reason, "message": message[:1024], "count": 1,
+                 "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "kareus-operator"},
+                 "reportingComponent": "kareus.dev/operator",
+                 "reportingInstance": os.environ.get("POD_NAME") or socket.gethostname()}
+        try:
+            await self.kube.request("POST", path("v1", "events", meta["namespace"]), event)
+        except (ApiError, aiohttp.ClientError, TimeoutError) as error:
+            log.warning("event %s on %s/%s not posted: %r", reason, meta["namespace"], meta["name"], error)
 
     def _wake_later(self, key: tuple[str, str], delay_s: float) -> None:
         """A precise re-check (backoff end, deadline, TTL) between resync ticks."""
@@ -131,6 +155,23 @@ class Controller:
         handle = self._wakeups.pop(key, None)
         if handle is not None:
             handle.cancel()
+
+    async def watch_children(self, namespaces: list[str]) -> None:
+        """Reconcile a job when one of its labelled pods or ConfigMaps changes."""
+        await asyncio.gather(*(self._watch_children(plural, namespace)
+                               for plural in ("pods", "configmaps") for namespace in namespaces or [None]))
+
+    async def _watch_children(self, plural: str, namespace: str | None) -> None:
+        while True:
+            try:
+                async for event in self.kube.watch_events(path("v1", plural, namespace), {"labelSelector": LABEL_JOB}):
+                    meta = event["object"]["metadata"]
+                    job = (meta.get("labels") or {}).get(LABEL_JOB)
+                    if job:
+                        self._spawn((meta["namespace"], job))
+            except (ApiError, aiohttp.ClientError, TimeoutError, ValueError) as error:
+                log.warning("watch of %s failed (%r); relisting", plural, error)
+                await asyncio.sleep(_RETRY_S)
 
     async def resync_forever(self, namespaces: list[str]) -> None:
         """Every `resync_s`, reconcile every job (a safety net under the watch-driven passes)."""
@@ -174,11 +215,4 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
             return
         await controller.reconcile(body.metadata.namespace, body.metadata.name, logger)
 
-    async def child_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-        job_name = body.metadata.labels.get(LABEL_JOB)
-        if job_name:
-            await controller.reconcile(body.metadata.namespace, job_name, logger)
-
-    kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)(child_event)
-    kopf.on.event("", "v1", "configmaps", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)(child_event)
     return registry

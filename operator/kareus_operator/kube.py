@@ -9,6 +9,7 @@ from the pod's service account, like every in-cluster client.
 
 from __future__ import annotations
 
+import json
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -160,6 +161,32 @@ class Kube:
             if error.code == 404:
                 return None
             raise
+
+    async def watch_events(self, collection_path: str, params: Mapping[str, str] | None = None):
+        """Every object of a collection as an event, then its changes, forever: LIST, then WATCH from
+        the list's resourceVersion; a 410 Gone or a dropped stream relists (as an informer does).
+        Listed objects come as `ADDED`; bookmarks are swallowed."""
+        assert self._session is not None, "use `async with Kube(...)`"
+        query = dict(params or {})
+        while True:
+            listing = await self.request("GET", collection_path, params=query)
+            for item in listing.get("items", []):
+                yield {"type": "ADDED", "object": item}
+            version = listing["metadata"]["resourceVersion"]
+            watch = {**query, "watch": "1", "resourceVersion": version, "allowWatchBookmarks": "true",
+                     "timeoutSeconds": "300"}
+            async with self._session.get(self.credentials.server + collection_path, params=watch,
+                                         timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as response:
+                if response.status >= 400:
+                    raise ApiError(response.status, "", await response.text())
+                async for line in response.content:
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    if event["type"] == "ERROR":
+                        break  # 410 Gone: the version is too old; relist
+                    if event["type"] != "BOOKMARK":
+                        yield event
 
     async def delete(self, url_path: str) -> bool:
         """Delete (background propagation); False when it was already gone."""

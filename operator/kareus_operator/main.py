@@ -86,7 +86,8 @@ def _run(args: argparse.Namespace) -> int:
                 if not acquiring.done():  # asked to stop while waiting for the Lease
                     acquiring.cancel()
                     return 0
-            tasks = [asyncio.create_task(controller.resync_forever(namespaces))]
+            tasks = [asyncio.create_task(controller.resync_forever(namespaces)),
+                     asyncio.create_task(controller.watch_children(namespaces))]
             if elector is not None:
                 tasks += [asyncio.create_task(elector.hold(lost)), asyncio.create_task(_stop_when(lost, stop))]
             try:

@@ -298,21 +298,12 @@ class EmulatedNode:
     # ------------------------------------------------------------------ pods
 
     async def _follow_pods(self) -> None:
-        """List + watch the pods bound to this node; relist on 410 Gone or a dropped watch."""
+        """List + watch the pods bound to this node (relisting on 410 Gone, as an informer does)."""
         assert self.kube is not None
-        selector = f"spec.nodeName={self.spec.name}"
         while True:
             try:
-                listing = await self.kube.request("GET", "/api/v1/pods", params={"fieldSelector": selector})
-                for pod in listing.get("items", []):
-                    self._on_pod(pod)
-                version = listing["metadata"]["resourceVersion"]
-                async for event in self._watch("/api/v1/pods", {"fieldSelector": selector, "resourceVersion": version,
-                                                                "allowWatchBookmarks": "true"}):
-                    if event["type"] == "ERROR":
-                        break  # 410 Gone: relist
-                    if event["type"] == "BOOKMARK":
-                        continue
+                async for event in self.kube.watch_events("/api/v1/pods",
+                                                          {"fieldSelector": f"spec.nodeName={self.spec.name}"}):
                     if event["type"] == "DELETED":
                         self._on_deleted(event["object"])
                     else:
@@ -322,16 +313,6 @@ class EmulatedNode:
             except (ApiError, aiohttp.ClientError, OSError, ValueError) as error:
                 log.warning("node %s: pod watch failed (%s); relisting", self.spec.name, error)
                 await asyncio.sleep(1.0)
-
-    async def _watch(self, path: str, params: Mapping[str, str]):
-        assert self.kube is not None and self.kube._session is not None
-        async with self.kube._session.get(self.server + path, params={**params, "watch": "1"},
-                                          timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as response:
-            if response.status >= 400:
-                raise ApiError(response.status, "", await response.text())
-            async for line in response.content:
-                if line.strip():
-                    yield json.loads(line)
 
     def _on_pod(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
