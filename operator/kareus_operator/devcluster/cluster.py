@@ -37,6 +37,7 @@ from kareus.errors import KareusError
 from kareus_operator.devcluster.controlplane import (
     REPO_ROOT,
     ControlPlane,
+    Started,
     free_port,
     last_lines,
     stop_process,
@@ -77,7 +78,7 @@ class Node:
     log: Path
 
 
-class DevCluster:
+class DevCluster(Started):
     """See the module docstring. `stop()` ends every process it started and nothing else."""
 
     def __init__(self, workdir: str | Path, *, control_plane: ControlPlane | None = None,
@@ -105,17 +106,6 @@ class DevCluster:
         self._short_root: Path | None = None
 
     # ------------------------------------------------------------------ lifecycle
-
-    def __enter__(self) -> DevCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def url(self) -> str:

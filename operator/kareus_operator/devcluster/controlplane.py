@@ -103,7 +103,28 @@ class Identity:
     pair: KeyPair
 
 
-class ControlPlane:
+class Started:
+    """`with X(...) as x:` for anything with `start()` and `stop()`; a failed start stops what it began."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ControlPlane(Started):
     """Start with `start()` (or `with ControlPlane(...)`), stop with `stop()`; logs in `workdir/logs`."""
 
     def __init__(self, workdir: str | Path, *, binaries: Path | None = None) -> None:
@@ -131,17 +152,6 @@ class ControlPlane:
 
     def kubectl(self) -> Path:
         return self.bin / "kubectl"
-
-    def __enter__(self) -> ControlPlane:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # ------------------------------------------------------------------ identities
 
