@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 
 from kubernetes import client, watch
+from kubernetes.client.rest import ApiException
 
 
 class PodRecorder:
@@ -32,3 +34,26 @@ class PodRecorder:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def read_or_none(read):
+    """`read()`, or None when the object does not exist (404)."""
+    try:
+        return read()
+    except ApiException as error:
+        if error.status != 404:
+            raise
+        return None
+
+
+def wait_until(read, check, *, timeout_s: float, what: str, interval_s: float = 0.2):
+    """Poll `read()` until `check` accepts its value, and return it; a timeout is a test failure
+    naming `what` and the last value (a bound on waiting, not a speed goal)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if check(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout_s:.0f} s; last: {value}")
+        time.sleep(interval_s)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import base64
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from kareus_operator.devcluster.cluster import NODE_GPUS, NODE_NAME, node_gpu_uuids
+from kube_helpers import read_or_none, wait_until
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -35,19 +35,8 @@ def pod(name: str, command: list[str], *, restart: str = "Never", container: dic
 
 
 def wait_pod(core: client.CoreV1Api, namespace: str, name: str, check, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    body = None
-    while time.monotonic() < deadline:
-        try:
-            body = core.read_namespaced_pod(name, namespace)
-        except ApiException as error:
-            if error.status != 404:
-                raise
-            body = None
-        if check(body):
-            return body
-        time.sleep(0.2)
-    raise AssertionError(f"pod {namespace}/{name} never got there: {body and body.status}")
+    return wait_until(lambda: read_or_none(lambda: core.read_namespaced_pod(name, namespace)), check,
+                      timeout_s=timeout_s, what=f"pod {namespace}/{name}")
 
 
 def phase_in(*phases):
@@ -164,7 +153,7 @@ def test_gpus_are_whole_exclusive_and_visible_through_pod_resources(dev_cluster,
     assert done.status.phase == "Succeeded"
 
 
-def test_the_job_controller_runs_a_batch_job_to_completion(kube_client, namespace):
+def test_the_job_controller_runs_a_batch_job_to_completion(dev_cluster, kube_client, namespace):
     batch = client.BatchV1Api(kube_client)
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "two"},
            "spec": {"completions": 2, "parallelism": 2, "completionMode": "Indexed", "backoffLimit": 0,
@@ -172,11 +161,14 @@ def test_the_job_controller_runs_a_batch_job_to_completion(kube_client, namespac
                         "name": "main", "image": "example.org/test:1",
                         "command": [PY, "-c", "import os; print('index', os.environ['JOB_COMPLETION_INDEX'])"]}]}}}}
     batch.create_namespaced_job(namespace, job)
-    deadline = time.monotonic() + 90
-    while (status := batch.read_namespaced_job("two", namespace).status).succeeded != 2:
-        assert time.monotonic() < deadline and not status.failed, status
-        time.sleep(0.3)
-    assert {c.type for c in status.conditions if c.status == "True"} >= {"Complete"}
+    def finished(status) -> bool:  # SuccessCriteriaMet comes first, Complete once the pods are done
+        return bool(status.failed) or any(c.type in ("Complete", "Failed") and c.status == "True"
+                                          for c in status.conditions or [])
+
+    status = wait_until(lambda: batch.read_namespaced_job("two", namespace).status, finished, timeout_s=90,
+                        what="Job two")
+    assert status.succeeded == 2 and not status.failed
+    assert {c.type for c in status.conditions if c.status == "True"} >= {"SuccessCriteriaMet", "Complete"}
 
 
 def test_the_node_is_held_to_node_authorization(dev_cluster, namespace, kube_client):

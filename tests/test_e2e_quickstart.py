@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
@@ -45,23 +45,12 @@ def manifest(name: str) -> dict:
 
 
 def get_job(jobs, name: str) -> dict | None:
-    try:
-        return jobs.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
-    except ApiException as error:
-        if error.status == 404:
-            return None
-        raise
+    return read_or_none(lambda: jobs.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name))
 
 
 def wait_for(jobs, name: str, check, timeout_s: float = 300.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    job = None
-    while time.monotonic() < deadline:
-        job = get_job(jobs, name)
-        if check(job):
-            return job
-        time.sleep(0.5)
-    raise AssertionError(f"{name}: timed out; last status {job and job.get('status')}")
+    return wait_until(lambda: get_job(jobs, name), check, timeout_s=timeout_s, what=f"KareusJob {name}",
+                      interval_s=0.5)
 
 
 def phase(job: dict | None) -> str | None:
@@ -127,11 +116,8 @@ def test_quickstart_end_to_end(cluster):
     assert train_pod.status.container_statuses[0].image_id and train_pod.status.container_statuses[0].image
     assert train_pod.status.container_statuses[0].state.terminated.exit_code == 0
     wanted = {"PhaseProfiling", "PhaseOptimizing", "PhaseTraining", "PhaseSucceeded"}
-    deadline = time.monotonic() + 20  # events are posted asynchronously after the status write
-    while not wanted <= (reasons := {e.reason for e in core.list_namespaced_event(NS).items
-                                     if e.involved_object.name == "quickstart"}):
-        assert time.monotonic() < deadline, reasons
-        time.sleep(0.3)
+    wait_until(lambda: {e.reason for e in core.list_namespaced_event(NS).items if e.involved_object.name == "quickstart"},
+               lambda reasons: wanted <= reasons, timeout_s=20, what="the phase Events")  # posted after the status
     finished_second = wait_for(jobs, "quickstart-2", lambda j: phase(j) in ("Succeeded", "Failed"))
     assert finished_second["status"]["phase"] == "Succeeded", finished_second["status"]
 
@@ -146,8 +132,5 @@ def test_quickstart_end_to_end(cluster):
                 *core.list_namespaced_config_map(NS, label_selector=selector).items,
                 *core.list_namespaced_service(NS, label_selector=selector).items]
 
-    deadline = time.monotonic() + 60
-    while children() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert children() == []
+    wait_until(children, lambda left: left == [], timeout_s=60, what="garbage collection of the children")
     assert core.read_namespaced_config_map(done["status"]["profile"]["configMap"], NS).data["profile.json"]

@@ -9,12 +9,10 @@ finalizer) must never use them.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import yaml
+from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
 from operator_fakes import QUICKSTART, conditions, settings_env
 
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
@@ -41,19 +39,9 @@ def submit(jobs: client.CustomObjectsApi, namespace: str, name: str = "job") -> 
 
 
 def wait_job(jobs: client.CustomObjectsApi, namespace: str, check, name: str = "job", timeout_s: float = 90.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    job = None
-    while time.monotonic() < deadline:
-        try:
-            job = jobs.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        except ApiException as error:
-            if error.status != 404:
-                raise
-            job = None
-        if check(job):
-            return job
-        time.sleep(0.3)
-    raise AssertionError(f"{namespace}/{name}: timed out; last status {job and job.get('status')}")
+    return wait_until(lambda: read_or_none(lambda: jobs.get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name)), check, timeout_s=timeout_s, what=f"KareusJob {namespace}/{name}",
+        interval_s=0.3)
 
 
 def refused_with(reason: str):
@@ -70,15 +58,10 @@ def warning_events(core: client.CoreV1Api, namespace: str, reason: str) -> list[
 
 
 def assert_refused(core, jobs, namespace: str, reason: str, server_words: str) -> None:
-    started = time.monotonic()
-    job = wait_job(jobs, namespace, refused_with(reason), timeout_s=30)
-    assert time.monotonic() - started <= 30
+    job = wait_job(jobs, namespace, refused_with(reason), timeout_s=30)  # the bound on being told
     message = next(c["message"] for c in job["status"]["conditions"] if c["type"] == "Profiled")
     assert server_words in message, message
-    deadline = time.monotonic() + 30
-    while not (events := warning_events(core, namespace, reason)):
-        assert time.monotonic() < deadline, f"no {reason} Event"
-        time.sleep(0.3)
+    events = wait_until(lambda: warning_events(core, namespace, reason), bool, timeout_s=30, what=f"a {reason} Event")
     assert server_words in events[0]
 
 
