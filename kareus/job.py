@@ -17,7 +17,7 @@ from typing import Any
 from kareus.workload.models import ModelShape
 from kareus.workload.partitions import Workload, build_workload, split_layers
 
-_UNSAFE = re.compile(r"[^a-z0-9.-]+")
+LABEL_UNSAFE = re.compile(r"[^a-z0-9.-]+")  # what a label value or file name may not contain
 
 
 @dataclass(frozen=True)
@@ -148,5 +148,5 @@ def describe_job(job: Any) -> JobDescriptor:
 
 def gpu_label(product: str) -> str:
     """A GPU product name in label form: `NVIDIA-A100-SXM4-40GB` → `a100-sxm4-40gb`."""
-    name = _UNSAFE.sub("-", product.lower()).strip("-.")
+    name = LABEL_UNSAFE.sub("-", product.lower()).strip("-.")
     return name.removeprefix("nvidia-")

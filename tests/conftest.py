@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import subprocess
 
 import pytest
 
@@ -55,15 +54,7 @@ def namespace(control_plane, kube_client, request):
 @pytest.fixture(scope="session")
 def kubectl(control_plane):
     """`kubectl(*args, input=None, check=True)`: the pinned kubectl as the admin, output as text."""
-
-    def run(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run([str(control_plane.kubectl()), f"--kubeconfig={control_plane.admin.kubeconfig}",
-                                 *args], input=input, capture_output=True, text=True, timeout=120, check=False)
-        if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
-        return result
-
-    return run
+    return control_plane.run_kubectl
 
 
 @pytest.fixture(scope="session")

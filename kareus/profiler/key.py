@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import asdict
 from typing import Any
 
 from kareus import __version__
-from kareus.job import describe_job, gpu_label, job_spec_of
+from kareus.job import LABEL_UNSAFE, describe_job, gpu_label, job_spec_of
 
 MAX_KEY_CHARS = 63
 _HASH_CHARS = 10
-_UNSAFE = re.compile(r"[^a-z0-9.-]+")
 
 
 def profile_key(job: Any, *, software_version: str = __version__) -> str:
@@ -43,5 +41,5 @@ def profile_key(job: Any, *, software_version: str = __version__) -> str:
         f"{descriptor.model}-{gpu}-tp{descriptor.tp}cp{descriptor.cp}pp{descriptor.pp}"
         f"-s{descriptor.seq_len}-b{descriptor.micro_batch_size}"
     )
-    readable = _UNSAFE.sub("-", readable.lower())[: MAX_KEY_CHARS - _HASH_CHARS - 1].strip("-.")
+    readable = LABEL_UNSAFE.sub("-", readable.lower())[: MAX_KEY_CHARS - _HASH_CHARS - 1].strip("-.")
     return f"{readable}-{digest}" if readable else digest

@@ -300,12 +300,8 @@ class DevCluster(Started):
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
         assert self.control_plane is not None
-        result = subprocess.run([str(self.control_plane.kubectl()), f"--kubeconfig={self.kubeconfig}", *args],
-                                input=input, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S + 30,
-                                check=False)
-        if check and result.returncode != 0:
-            raise KareusError(f"kubectl {' '.join(args[:3])}: {result.stderr.strip() or result.stdout.strip()}")
-        return result
+        return self.control_plane.run_kubectl(*args, kubeconfig=self.kubeconfig, input=input, check=check,
+                                              timeout_s=STARTUP_TIMEOUT_S + 30)
 
     def _wait(self, what: str, ready: Any) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -153,6 +153,17 @@ class ControlPlane(Started):
     def kubectl(self) -> Path:
         return self.bin / "kubectl"
 
+    def run_kubectl(self, *args: str, kubeconfig: Path | None = None, input: str | None = None,
+                    check: bool = True, timeout_s: float = 210.0) -> subprocess.CompletedProcess:
+        """The pinned kubectl (as the admin unless `kubeconfig` says otherwise), output as text; a
+        failure with `check` is one KareusError with kubectl's own message."""
+        assert self.admin is not None, "start() first"
+        result = subprocess.run([str(self.kubectl()), f"--kubeconfig={kubeconfig or self.admin.kubeconfig}", *args],
+                                input=input, capture_output=True, text=True, timeout=timeout_s, check=False)
+        if check and result.returncode != 0:
+            raise KareusError(f"kubectl {' '.join(args[:3])}: {result.stderr.strip() or result.stdout.strip()}")
+        return result
+
     # ------------------------------------------------------------------ identities
 
     def identity(self, name: str, user: str, groups: Sequence[str] = ()) -> Identity:
