@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from kareus.optimizer import metrics
 from kareus.optimizer.baselines import LABELS, METHODS, compare_methods, comparison_metrics, method_frontier
 from kareus.profiler import profile_job
-from kareus.sim import Simulator, get_gpu
+from kareus.profiler.backends import SimBackend
+from kareus.sim import paramsfile
 from kareus.spec import parse_job
 
 GPU = "A100-SXM4-40GB"
@@ -78,11 +79,12 @@ def manifest(config: Config) -> dict:
                      "gpu": {"product": GPU}}}
 
 
-def run_config(config: Config, simulator: Simulator, *, exhaustive: bool, baselines: bool,
+def run_config(config: Config, calibration: paramsfile.SimCalibration, *, exhaustive: bool, baselines: bool,
                profile=None) -> dict:
     job = parse_job(manifest(config))
+    simulator = calibration.simulator(GPU)
     started = time.perf_counter()
-    profile = profile or profile_job(job, backend="sim", seed=0)
+    profile = profile or profile_job(job, backend=SimBackend(GPU, seed=0, calibration=calibration), seed=0)
     profile_s = time.perf_counter() - started
     others = compare_methods(job, profile, simulator, methods=[m for m in METHODS if m != "kareus"]) \
         if baselines else None
@@ -93,7 +95,8 @@ def run_config(config: Config, simulator: Simulator, *, exhaustive: bool, baseli
                              starts=[r.frontier for r in others.methods.values()] if others else ()).frontier
     optimizer_s = time.perf_counter() - started
     result = {"config": config.name, "profile_s": profile_s, "optimizer_s": optimizer_s,
-              "evaluations": profile.evaluations, "kareus_rows": len(kareus.rows)}
+              "evaluations": profile.evaluations, "kareus_rows": len(kareus.rows),
+              "kareus_fastest_sequential_share": sequential_share(kareus)}
     if others is None:
         result["methods"] = {"kareus": kareus.points()}
         return result
@@ -113,6 +116,12 @@ def run_config(config: Config, simulator: Simulator, *, exhaustive: bool, baseli
         checks["hv_within_1pct"] = result["hv_vs_exhaustive"] >= 0.99
     result["checks"] = checks
     return result
+
+
+def sequential_share(frontier) -> float:
+    """Share of the instructions of the fastest Kareus plan that run Megatron-style (sequential)."""
+    instructions = [i for stage in frontier.stages_for(0) for i in stage.instructions]
+    return sum(i.mode == "sequential" for i in instructions) / len(instructions)
 
 
 def _metrics(points: dict) -> dict:
@@ -135,7 +144,8 @@ def print_tables(results: list[dict]) -> None:
             print(f"{r['config']:44} {LABELS[name]:22} {t:8.3f} {e / 1e3:9.2f} "
                   f"{_pct(m['max_throughput_time_reduction']):>7} {_pct(m['max_throughput_energy_reduction']):>8}")
     print("\nFrontier (vs Megatron+Perseus): iso-time energy reduction % / iso-energy time reduction %")
-    print(f"{'configuration':44} {'Nanobatching+Perseus':>22} {'Kareus':>16} {'HV/exh.':>8} {'opt. s':>7}")
+    print(f"{'configuration':44} {'Nanobatching+Perseus':>22} {'Kareus':>16} {'HV/exh.':>8} {'opt. s':>7} "
+          f"{'seq. share':>10}")
     for r in results:
         if "metrics" in r:
             np_, k = r["metrics"]["nanobatch_perseus"], r["metrics"]["kareus"]
@@ -144,7 +154,8 @@ def print_tables(results: list[dict]) -> None:
         else:
             np_text, k_text = "(not run)", "(not run)"
         hv = f"{r['hv_vs_exhaustive']:.4f}" if "hv_vs_exhaustive" in r else "-"
-        print(f"{r['config']:44} {np_text:>22} {k_text:>16} {hv:>8} {r['optimizer_s']:7.1f}")
+        print(f"{r['config']:44} {np_text:>22} {k_text:>16} {hv:>8} {r['optimizer_s']:7.1f} "
+              f"{100 * r['kareus_fastest_sequential_share']:9.0f}%")
     print("\nAcceptance checks")
     for r in results:
         if "checks" in r:
@@ -157,20 +168,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="two testbed configs and 70B at 128 microbatches")
     parser.add_argument("--json", metavar="OUT.json", help="write every number here")
     parser.add_argument("--no-exhaustive", action="store_true", help="skip the exhaustive-composition reference")
+    parser.add_argument("--only", metavar="N,…", default=None, help="testbed configurations by index (0-9), no 70B")
+    paramsfile.add_argument(parser)
     args = parser.parse_args(argv)
-    simulator = Simulator(get_gpu(GPU))
+    calibration = paramsfile.load_or_default(args.sim_params)
     testbed = (TESTBED[0], TESTBED[7]) if args.quick else TESTBED
     emulation = (128,) if args.quick else EMULATION_MICROBATCHES
+    if args.only is not None:
+        testbed = tuple(TESTBED[int(i)] for i in args.only.split(","))
+        emulation = ()
     results = []
     for config in testbed:
-        results.append(run_config(config, simulator, exhaustive=not args.no_exhaustive, baselines=True))
+        results.append(run_config(config, calibration, exhaustive=not args.no_exhaustive, baselines=True))
         print(f"done: {config.name} ({results[-1]['optimizer_s']:.1f} s optimizer)", file=sys.stderr)
     profile_70b = None
     for microbatches in emulation:
         config = Config("llama3.3-70b", 8, 1, 4, 4096, pp=10, microbatches=microbatches)
         if profile_70b is None:
-            profile_70b = profile_job(parse_job(manifest(config)), backend="sim", seed=0)
-        results.append(run_config(config, simulator, exhaustive=False, baselines=not args.quick,
+            profile_70b = profile_job(parse_job(manifest(config)), seed=0,
+                                      backend=SimBackend(GPU, seed=0, calibration=calibration))
+        results.append(run_config(config, calibration, exhaustive=False, baselines=not args.quick,
                                   profile=profile_70b))
         print(f"done: {config.name} ({results[-1]['optimizer_s']:.1f} s optimizer)", file=sys.stderr)
     print_tables(results)

@@ -156,8 +156,10 @@ def test_physics_directions(clock, slot, sms) -> None:
     if clock > 900:
         slower = sim.partition(FWD_ATTN, clock - 30, sms, slot)
         if not here.throttled:
-            # Same work at a lower clock never costs more dynamic energy (f·V² per cycle) ...
-            assert slower.dynamic_energy_j <= here.dynamic_energy_j * (1 + 1e-9)
+            # Same work at a lower clock never costs more dynamic energy (f·V² per cycle); below
+            # the voltage floor the energy per cycle is flat, and only where the collective's
+            # overlap ends shifts (well under 0.1 %) ...
+            assert slower.dynamic_energy_j <= here.dynamic_energy_j * (1 + 1e-3)
             if here.exposed_comm_s == 0:
                 # ... and is never faster while compute bounds the partition. (When the collective
                 # bounds it, slower memory-bound kernels leave it more HBM bandwidth.)

@@ -23,6 +23,7 @@ from kareus.errors import KareusError
 from kareus.optimizer.baselines import LABELS, Comparison, compare_methods
 from kareus.optimizer.frontier import FrontierSettings
 from kareus.profiler.document import ProfileDocument
+from kareus.sim import paramsfile
 from kareus.spec import load_job
 
 FRONTIER_SAMPLES = 10  # the paper evaluates 10 plans per method
@@ -44,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--solver-steps", type=int, default=None, metavar="N",
                         help="Phillips–Dessouky steps between the slowest and fastest plan (default: adaptive)")
     parser.add_argument("--png", metavar="OUT.png", default=None, help="also draw the frontiers here")
+    paramsfile.add_argument(parser)
     parser.set_defaults(func=run)
 
 
@@ -53,10 +55,9 @@ def run(args: argparse.Namespace) -> int:
         raise KareusError(f"--backend: only 'sim' is supported by compare (the baselines' configurations are "
                           f"measured on the simulated GPU), got {args.backend!r}")
     job = load_job(args.job)
-    profile = _profile(job, args)
-    from kareus.sim import Simulator, get_gpu
-
-    comparison = compare_methods(job, profile, Simulator(get_gpu(profile.gpu)), settings=settings)
+    calibration = paramsfile.load_or_default(args.sim_params)
+    profile = _profile(job, args, calibration)
+    comparison = compare_methods(job, profile, calibration.simulator(profile.gpu), settings=settings)
     if args.plan_out and comparison.plan is not None:
         comparison.plan.save(args.plan_out)
     if args.png and comparison.plan is not None:
@@ -80,12 +81,14 @@ def solver_settings(steps: int | None, max_rows: int = FrontierSettings.max_rows
     return FrontierSettings(target_steps=steps, max_rows=max_rows)
 
 
-def _profile(job, args: argparse.Namespace) -> ProfileDocument:
+def _profile(job, args: argparse.Namespace, calibration: paramsfile.SimCalibration) -> ProfileDocument:
     if args.profile:
         return ProfileDocument.load(args.profile)
+    from kareus.profiler.backends import SimBackend
     from kareus.profiler.profile import profile_job
 
-    return profile_job(job, backend="sim", preset=args.preset or job.spec.profiling.preset, seed=args.seed)
+    return profile_job(job, backend=SimBackend(job.spec.gpu_product, seed=args.seed, calibration=calibration),
+                       preset=args.preset or job.spec.profiling.preset, seed=args.seed)
 
 
 def _percent(value: float | None) -> str:

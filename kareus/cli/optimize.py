@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="Phillips–Dessouky steps between the slowest and fastest plan (default: adaptive)")
     parser.add_argument("--max-rows", type=int, default=FrontierSettings.max_rows, metavar="N",
                         help=f"frontier table rows kept (default {FrontierSettings.max_rows})")
+    from kareus.sim import paramsfile
+
+    paramsfile.add_argument(parser)
     parser.set_defaults(func=run)
 
 
@@ -55,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
     settings = solver_settings(args.solver_steps, args.max_rows)
     if args.baselines:
         from kareus.optimizer.baselines import compare_methods
-        from kareus.sim import Simulator, get_gpu
+        from kareus.sim import paramsfile
 
-        plan = compare_methods(job, profile, Simulator(get_gpu(profile.gpu)), settings=settings,
-                               objective=objective).plan
+        simulator = paramsfile.load_or_default(args.sim_params).simulator(profile.gpu)
+        plan = compare_methods(job, profile, simulator, settings=settings, objective=objective).plan
     else:
         from kareus.optimizer.planning import optimize
 

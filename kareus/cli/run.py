@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="profiling and training seed (default 0)")
     parser.add_argument("--preset", choices=("default", "paper"), default=None,
                         help="profiling search preset (default: spec.profiling.preset)")
+    from kareus.sim import paramsfile
+
+    paramsfile.add_argument(parser)
     parser.set_defaults(func=run)
 
 
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{'NVML GPUs' if backend == 'nvml' else 'simulated ' + job.spec.gpu_product} → {out}")
     with _progress(console) as bar:
         profile = _profile(job, backend, args, bar)
-        comparison = _compare(job, profile, backend, bar)
+        comparison = _compare(job, profile, backend, bar, args.sim_params)
     plan = comparison.plan
     profile.save(out / "profile.json")
     plan.save(out / "plan.json")
@@ -123,6 +126,12 @@ def _profile(job, backend: str, args: argparse.Namespace, bar: Progress):
         bar.update(task, completed=progress.evaluations, total=progress.planned,
                    info=f"{progress.partition} HV {progress.hypervolume:.3f}")
 
+    if backend == "sim":
+        from kareus.profiler.backends import SimBackend
+        from kareus.sim import paramsfile
+
+        backend = SimBackend(job.spec.gpu_product, seed=args.seed,
+                             calibration=paramsfile.load_or_default(args.sim_params))
     profile = profile_job(job, backend=backend, preset=args.preset or job.spec.profiling.preset,
                           seed=args.seed, progress=show)
     bar.update(task, total=profile.evaluations, completed=profile.evaluations,
@@ -130,7 +139,7 @@ def _profile(job, backend: str, args: argparse.Namespace, bar: Progress):
     return profile
 
 
-def _compare(job, profile, backend: str, bar: Progress):
+def _compare(job, profile, backend: str, bar: Progress, sim_params: str | None = None):
     """Every method on the same backend; on NVML only the methods its profile can serve."""
     from kareus.optimizer.baselines import (
         METHODS,
@@ -144,9 +153,9 @@ def _compare(job, profile, backend: str, bar: Progress):
     simulator = None
     methods = tuple(METHODS)
     if backend == "sim":
-        from kareus.sim import Simulator, get_gpu
+        from kareus.sim import paramsfile
 
-        simulator = Simulator(get_gpu(profile.gpu))
+        simulator = paramsfile.load_or_default(sim_params).simulator(profile.gpu)
     else:  # nanobatching baselines need configurations outside the profile: only a simulator has them
         methods = tuple(m for m in METHODS if m in ("megatron", "megatron_perseus", "kareus"))
     task = bar.add_task("optimising", total=len(methods), info="")

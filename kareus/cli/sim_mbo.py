@@ -19,7 +19,7 @@ from kareus.cli.sim_sweep import add_workload_arguments, print_table, workload_f
 from kareus.errors import KareusError
 from kareus.search.algorithms import PRESETS, get_algorithm, minimize
 from kareus.search.problem import Candidate, Problem, SearchSpace
-from kareus.sim import Measurement, Simulator, get_gpu
+from kareus.sim import Measurement, paramsfile
 from kareus.sim.sweep import default_clocks, point
 
 ALGORITHMS = (*sorted(PRESETS), "exhaustive")
@@ -34,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="search and noise seed (default 0)")
     parser.add_argument("--noise", type=float, default=0.0, help="relative measurement noise (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    paramsfile.add_argument(parser)
     parser.set_defaults(func=run)
 
 
@@ -41,13 +42,14 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
     """Run the search the arguments describe; the JSON-ready result."""
     if args.noise < 0:
         raise KareusError(f"--noise: must be >= 0, got {args.noise}")
-    gpu = get_gpu(args.gpu)
+    calibration = paramsfile.load_or_default(getattr(args, "sim_params", None))
+    gpu = calibration.gpu(args.gpu)
     workload = workload_from(args)
     if args.partition not in workload.partition_types:
         known = ", ".join(workload.partition_types) or "none (TP1 and CP1 have no communication)"
         raise KareusError(f"--partition: {args.partition!r} is not a partition type of this job; allowed: {known}")
     ptype = workload.partition_types[args.partition]
-    simulator = Simulator(gpu, noise_std=args.noise, seed=args.seed)
+    simulator = calibration.simulator(gpu, noise_std=args.noise, seed=args.seed)
     measured: dict[Candidate, Measurement] = {}
 
     def measure(candidates: Sequence[Candidate]) -> list[tuple[float, float]]:

@@ -18,9 +18,9 @@ from typing import Any
 
 from kareus.cli import stdout_console
 from kareus.errors import KareusError
-from kareus.sim import Simulator, get_gpu
+from kareus.sim import paramsfile
 from kareus.sim.sweep import default_clocks, parse_range, sweep
-from kareus.workload.models import get_preset
+from kareus.workload.models import get_shape
 from kareus.workload.partitions import Workload, build_workload
 
 
@@ -35,13 +35,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--noise", type=float, default=0.0, help="relative measurement noise (default 0)")
     parser.add_argument("--seed", type=int, default=None, help="noise seed")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    paramsfile.add_argument(parser)
     parser.set_defaults(func=run)
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, partition_help: str) -> None:
     """The flags naming a GPU, a model layout and one partition type (shared by `sim sweep`/`sim mbo`)."""
     parser.add_argument("--gpu", default="A100-SXM4-40GB", help="GPU product (default A100-SXM4-40GB)")
-    parser.add_argument("--model", required=True, help="model preset, e.g. llama3.2-3b")
+    parser.add_argument("--model", required=True, help="model preset, e.g. llama3.2-3b (or gpt3-175b)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="context parallelism (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallelism (default 1)")
@@ -52,18 +53,19 @@ def add_workload_arguments(parser: argparse.ArgumentParser, partition_help: str)
 
 def workload_from(args: argparse.Namespace) -> Workload:
     """The workload the `add_workload_arguments` flags describe."""
-    return build_workload(get_preset(args.model), tp=args.tp, cp=args.cp, pp=args.pp, seq_len=args.seq,
+    return build_workload(get_shape(args.model), tp=args.tp, cp=args.cp, pp=args.pp, seq_len=args.seq,
                           micro_batch_size=args.mbs)
 
 
 def run(args: argparse.Namespace) -> int:
-    gpu = get_gpu(args.gpu)
+    calibration = paramsfile.load_or_default(args.sim_params)
+    gpu = calibration.gpu(args.gpu)
     workload = workload_from(args)
     if args.noise < 0:
         raise KareusError(f"--noise must be >= 0, got {args.noise}")
     clocks = parse_range(args.clocks, "--clocks") if args.clocks else default_clocks(gpu)
     sms = parse_range(args.sms, "--sms") if args.sms else None
-    simulator = Simulator(gpu, noise_std=args.noise, seed=args.seed)
+    simulator = calibration.simulator(gpu, noise_std=args.noise, seed=args.seed)
     points = list(sweep(simulator, workload, args.partition, clocks_mhz=clocks, comm_sms=sms, slots=args.slots))
     if args.json:
         print(json.dumps(points, indent=1))

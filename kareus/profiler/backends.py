@@ -57,14 +57,16 @@ class SimBackend(ProfilerBackend):
 
     name = "sim"
 
-    def __init__(self, gpu: str, *, noise_std: float = 0.0, seed: int | None = 0) -> None:
-        from kareus.sim import Simulator, get_gpu
+    def __init__(self, gpu: str, *, noise_std: float = 0.0, seed: int | None = 0, calibration=None) -> None:
+        from kareus.sim.paramsfile import shipped
 
-        self.spec = get_gpu(gpu)
+        # `calibration`: a `kareus.sim.paramsfile.SimCalibration` (`--sim-params`); the shipped presets otherwise.
+        calibration = calibration or shipped()
+        self.spec = calibration.gpu(gpu)
         self.gpu_name = self.spec.name
         self.p_static_w = float(self.spec.p_static_w)
         self.noise_std = noise_std
-        self.simulator = Simulator(self.spec, noise_std=noise_std, seed=seed)
+        self.simulator = calibration.simulator(self.spec, noise_std=noise_std, seed=seed)
 
     def supported_clocks_mhz(self) -> tuple[int, ...]:
         return tuple(int(clock) for clock in self.spec.supported_clocks_mhz)

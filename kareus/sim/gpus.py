@@ -9,10 +9,12 @@ datasheets). The physical columns are per-silicon estimates, documented in `docs
   ~85 W static and ~60 W of HBM traffic leaves ~330 W for a layer that is ~90 % GEMM time, so a pure
   GEMM draws ~350 W on its SMs. The same silicon on the 400 W SKU therefore throttles.
   Hopper (700 W, 132 SMs, ~2× the switching per clock): ~560 W.
-- `voltage_knee_mhz`, `voltage_min_ratio`: V(f) is flat at `voltage_min_ratio`·V_max below the knee
-  and rises linearly to V_max at the maximum clock (DVFS tables of A100/H100 place the knee around
-  75 % of the boost clock with ~0.70 V of ~1.0 V; A100: Perseus' layer energy bottoms out at
-  1020-1080 MHz and the paper finds no saving below ~900 MHz).
+- `voltage_floor_mhz`, `voltage_min_ratio`, `voltage_curve_exponent`: V(f) is flat at
+  `voltage_min_ratio`·V_max up to the floor clock (the lowest voltage the regulator gives) and rises
+  smoothly above it, as ((f − floor)/(max − floor))^exponent, to V_max at the maximum clock. DVFS
+  tables of A100/H100 give ~0.70 of V_max at the bottom of the boost range. The energy-minimum
+  clock is *not* a parameter: it is where static and memory power, paid per second, balance the
+  rising SM power per cycle; the A100 values come from `kareus sim calibrate` on Perseus' curve.
 - `hbm_pj_per_byte`: energy of moving one byte to or from DRAM (HBM2e ~4-5 pJ/bit incl. PHY;
   HBM3 ~3.5 pJ/bit; GDDR6 ~7 pJ/bit).
 
@@ -45,9 +47,10 @@ class GPUSpec:
     p_static_w: float
     nvlink_gb_per_s: float
     sm_dynamic_w_at_max: float
-    voltage_knee_mhz: float
+    voltage_floor_mhz: float
     voltage_min_ratio: float
     hbm_pj_per_byte: float
+    voltage_curve_exponent: float = 1.0
 
     @property
     def supported_clocks_mhz(self) -> tuple[int, ...]:
@@ -73,11 +76,12 @@ class GPUSpec:
         return self.p_static_w
 
     def voltage_ratio(self, clock_mhz: float) -> float:
-        """V(f)/V_max: flat below the knee, linear up to 1 at the maximum clock."""
-        if clock_mhz <= self.voltage_knee_mhz:
+        """V(f)/V_max: flat up to the floor clock, then rising as a power of the clock above it to 1
+        at the maximum clock."""
+        if clock_mhz <= self.voltage_floor_mhz:
             return self.voltage_min_ratio
-        rise = (clock_mhz - self.voltage_knee_mhz) / (self.clock_max_mhz - self.voltage_knee_mhz)
-        return self.voltage_min_ratio + (1.0 - self.voltage_min_ratio) * rise
+        rise = min(1.0, (clock_mhz - self.voltage_floor_mhz) / (self.clock_max_mhz - self.voltage_floor_mhz))
+        return self.voltage_min_ratio + (1.0 - self.voltage_min_ratio) * rise ** self.voltage_curve_exponent
 
     def switching_factor(self, clock_mhz: float) -> float:
         """f·V(f)² relative to the maximum clock: what one fully active SM's dynamic power scales with."""
@@ -98,13 +102,23 @@ _ENVELOPES = (
     ("H200-SXM-141GB", 132, 345, 1980, 15, 3201, 4800, 989, 700, 200, 75, 450),
 )
 
-# sm_dynamic_w_at_max, voltage_knee_mhz, voltage_min_ratio, hbm_pj_per_byte (module docstring)
+# sm_dynamic_w_at_max, voltage_floor_mhz, voltage_min_ratio, hbm_pj_per_byte, voltage_curve_exponent
+# (module docstring). Hopper and A40 are scaled from the A100 fit (same relative floor), not fitted.
 _PHYSICS = {
-    "A100-SXM4-40GB": (350.0, 1065.0, 0.70, 40.0),
-    "A100-SXM4-80GB": (350.0, 1065.0, 0.70, 40.0),
-    "A40": (200.0, 1305.0, 0.70, 56.0),
-    "H100-SXM5-80GB": (560.0, 1500.0, 0.70, 28.0),
-    "H200-SXM-141GB": (560.0, 1500.0, 0.70, 28.0),
+    "A100-SXM4-40GB": (432.0, 1064.0, 0.750, 41.0, 1.07),
+    "A100-SXM4-80GB": (432.0, 1064.0, 0.750, 41.0, 1.07),
+    "A40": (200.0, 1305.0, 0.70, 56.0, 1.0),
+    "H100-SXM5-80GB": (560.0, 1500.0, 0.70, 28.0, 1.0),
+    "H200-SXM-141GB": (560.0, 1500.0, 0.70, 28.0, 1.0),
+}
+# GPU fields a calibration may fit, with physical bounds.
+GPU_FITTABLE: dict[str, tuple[float, float]] = {
+    "sm_dynamic_w_at_max": (150.0, 700.0),
+    "voltage_floor_mhz": (300.0, 1300.0),
+    "voltage_min_ratio": (0.45, 0.95),
+    "voltage_curve_exponent": (1.0, 3.0),
+    "hbm_pj_per_byte": (20.0, 60.0),
+    "p_static_w": (30.0, 150.0),
 }
 
 GPUS: dict[str, GPUSpec] = {

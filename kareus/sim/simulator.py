@@ -28,7 +28,7 @@ from kareus.sim.clock import ClockPolicy
 from kareus.sim.gpus import GPUSpec, get_gpu
 from kareus.sim.measurement import Measurement
 from kareus.sim.physics import Physics, SimParams
-from kareus.sim.timeline import Tally, partition_tally, sequential_tally
+from kareus.sim.timeline import Tally, host_bound, partition_tally, sequential_tally
 from kareus.workload.ops import Op
 from kareus.workload.partitions import PartitionConfig, PartitionType, StageWorkload
 
@@ -50,13 +50,15 @@ class Simulator:
     """A simulated GPU of one model (`gpu`), optionally noisy (`noise_std` relative, `seed`)."""
 
     def __init__(self, gpu: GPUSpec | str, noise_std: float = 0.0, seed: int | None = None,
-                 params: SimParams | None = None) -> None:
+                 params: SimParams | None = None, power_limit_w: float | None = None) -> None:
         if noise_std < 0:
             raise KareusError(f"noise_std must be >= 0, got {noise_std}")
         self.gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
         self.params = params or SimParams()
         self.physics = Physics(self.gpu, self.params)
         self.noise_std = noise_std
+        # A board limit other than the preset's (the same silicon ships as 400 W and 500 W parts).
+        self.power_limit_w = power_limit_w
         self._rng = np.random.default_rng(seed)
         self._cache: dict[tuple[Any, ...], Measurement] = {}
 
@@ -156,12 +158,13 @@ class Simulator:
             tally = Tally()
             for op, count in counted.items():
                 tally.add_scaled(sequential_tally(self.physics, (op,), clock), count)
-            return tally
+            return host_bound(self.physics, tally, len(ops), clock)
 
         return evaluate
 
     def _measure(self, evaluate: Evaluate, clock_mhz: float, wobble_mhz: float = 0.0) -> Measurement:
-        clock = ClockPolicy(self.gpu, float(clock_mhz), wobble_mhz, self.params.throttle_wobble_mhz)
+        clock = ClockPolicy(self.gpu, float(clock_mhz), wobble_mhz, self.params.throttle_wobble_mhz,
+                            self.power_limit_w)
         tally = evaluate(clock)
         energy = self.p_static_w * tally.time_s + tally.dynamic_j
         return Measurement.from_parts(time_s=tally.time_s, energy_j=energy, p_static_w=self.p_static_w,

@@ -5,8 +5,11 @@ collective starts together with the op at the launch slot and holds `comm_sms` S
 so the ops it overlaps run on the remaining SMs and share HBM bandwidth with it. When the
 collective ends mid-op, that op finishes on all SMs. When the compute ends first, the collective
 runs alone — that is exposed communication, with the other SMs idle — and the partition ends at
-the join. Sequential (Megatron-style) execution runs every kernel alone, collectives on NCCL's
-default channels.
+the join, after `partition_join_s` (the compute stream's wait on the collective's event). The host
+issues every kernel (`host_launch_s` each) and every partition (`partition_dispatch_s`: events and
+stream switches); work the host has not issued cannot run, so a partition (or a sequential run of
+kernels) takes at least its host time. Sequential (Megatron-style) execution runs every kernel
+alone, collectives on NCCL's default channels.
 
 Each steady state of the GPU (one kernel alone, or one kernel beside the collective) is a
 **phase**. The clock of a phase is settled by `ClockPolicy`: the locked clock, unless the phase
@@ -73,6 +76,11 @@ class _Timeline:
         self.tally.throttled = self.tally.throttled or throttled
         return phase_at(clock_mhz, switching), clock_mhz
 
+    def idle(self, duration_s: float) -> None:
+        """The GPU waits (no kernel: static power only)."""
+        if duration_s > 0:
+            self.tally.add(duration_s, 0.0, self.clock.requested_mhz)
+
     def kernel_alone(self, op: ComputeOp, fraction: float = 1.0) -> None:
         physics, sms = self.physics, self.physics.spec.sms
 
@@ -109,8 +117,10 @@ class _Timeline:
         compute_sms = physics.spec.sms - comm_sms
         comm_hbm = physics.params.comm_hbm_bytes_per_ring_byte(comm.collective) * rate
 
+        interference = physics.copy_interference(comm_hbm)
+
         def phase_at(clock_mhz: float, switching: float) -> _Phase:
-            kernel = physics.kernel(op, compute_sms, clock_mhz)
+            kernel = physics.kernel(op, compute_sms, clock_mhz, interference)
             slowdown = physics.contention(kernel.hbm_rate, comm_hbm)
             op_s = kernel.time_s(slowdown)
             power = physics.dynamic_power_w(
@@ -145,7 +155,20 @@ def partition_tally(physics: Physics, ops: tuple[ComputeOp, ...], comm: CommOp, 
             timeline.kernel_alone(op)
     if comm_left_s > 0:
         timeline.tally.exposed_comm_s += timeline.comm_alone(comm, rate, comm_sms, comm_left_s)
+    timeline.idle(physics.params.partition_join_s)
+    # The host issues both nanobatches' kernels of the partition (compute ops and the collective)
+    # plus the events that gate the launch and the join; when that takes longer than the GPU's
+    # work, the GPU waits for it.
+    timeline.idle(physics.host_s(len(ops) + 1, partitions=1) - timeline.tally.time_s)
     return timeline.tally
+
+
+def host_bound(physics: Physics, tally: Tally, kernels: int, clock: ClockPolicy) -> Tally:
+    """`tally` of `kernels` kernels issued back to back, stretched to the host's issue time."""
+    gap = physics.host_s(kernels) - tally.time_s
+    if gap > 0:
+        tally.add(gap, 0.0, clock.requested_mhz)
+    return tally
 
 
 def sequential_tally(physics: Physics, ops: Iterable[Op], clock: ClockPolicy) -> Tally:

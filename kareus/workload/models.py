@@ -56,6 +56,30 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+# Workloads the simulator is calibrated on that are not job presets (the job spec's preset enum,
+# and so the CRD, lists only `PRESETS`). GPT-3 175B (Brown et al. 2020: 96 layers, hidden 12288,
+# 96 heads of 128, GELU MLP of 4·hidden, vocabulary 50257) in the Llama-style op graph: full
+# multi-head attention, and a SwiGLU MLP of 8/3·hidden whose weights and FLOPs equal GPT-3's
+# (two 4h matrices = three 8h/3 ones). Perseus' A100 profiles measure one of its pipeline stages.
+CALIBRATION_PRESETS: dict[str, ModelShape] = {
+    shape.name: shape
+    for shape in (
+        ModelShape("gpt3-175b", 96, 12288, 32768, 96, 96, 128, 50257, rope_theta=10000.0),
+    )
+}
+
+
+def get_shape(name: str) -> ModelShape:
+    """A job preset or a calibration workload (simulator commands accept both)."""
+    if name in CALIBRATION_PRESETS:
+        return CALIBRATION_PRESETS[name]
+    try:
+        return PRESETS[name]
+    except KeyError:
+        known = ", ".join(sorted([*PRESETS, *CALIBRATION_PRESETS]))
+        raise KareusError(f"unknown model preset {name!r}; allowed: {known}") from None
+
+
 def get_preset(name: str) -> ModelShape:
     """The preset called `name`; a `KareusError` listing the known presets otherwise."""
     try:

@@ -17,6 +17,14 @@ Backward costs follow the usual accounting: a linear's backward is two GEMMs of 
 (input gradient and weight gradient); flash-attention backward is 2.5× the forward FLOPs (five
 matmuls instead of two) and re-reads Q, K, V, O and dO; a memory-bound op's backward reads the
 incoming gradient and the saved input and writes one gradient.
+
+Shapes, for the simulator's tile and size effects: a GEMM's `rows` × `cols` is its output (tokens ×
+output features) and `depth` its reduction (input features); flash attention's `rows` is the number
+of independent (sequence, head) problems, `cols` the queries and `depth` the keys of each.
+`fixed_bytes` is the part of `hbm_bytes` that does not grow with the tokens: the weights a GEMM
+reads, and in backward the weight gradient accumulated into Megatron's fp32 main gradient (read and
+written once per backward GEMM call, `GRAD_ACCUM_BYTES_PER_WEIGHT`). Every nanobatch pays these
+again, which is the extra memory traffic of nanobatching.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ GEMM_BACKWARD_FLOPS = 2.0
 ATTENTION_BACKWARD_FLOPS = 2.5
 ATTENTION_BACKWARD_BYTES = 2.5
 MEMORY_BACKWARD_BYTES = 1.5
+# Megatron's gradient-accumulation fusion: the weight-gradient GEMM adds into the fp32 main
+# gradient, reading and writing 4 bytes per weight on every call.
+GRAD_ACCUM_BYTES_PER_WEIGHT = 8
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,10 @@ class ComputeOp:
     hbm_bytes: float
     slot_group: str
     backward: bool = False
+    rows: float = 0.0
+    cols: float = 0.0
+    depth: float = 0.0
+    fixed_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in COMPUTE_KINDS:
@@ -56,8 +71,10 @@ class ComputeOp:
             raise ValueError(f"ComputeOp.slot_group must be one of {SLOT_GROUPS}, got {self.slot_group!r}")
 
     def scaled(self, factor: float) -> ComputeOp:
-        """The same op on `factor` times as many tokens."""
-        return replace(self, flops=self.flops * factor, hbm_bytes=self.hbm_bytes * factor)
+        """The same op on `factor` times as many tokens (the weights are read once either way)."""
+        moving = self.hbm_bytes - self.fixed_bytes
+        return replace(self, flops=self.flops * factor, hbm_bytes=moving * factor + self.fixed_bytes,
+                       rows=self.rows * factor)
 
 
 @dataclass(frozen=True)
@@ -128,8 +145,10 @@ def _memory(name: str, group: str, elements_moved: float, flops_per_element: flo
 
 def _linear(name: str, tokens: float, in_features: float, out_features: float) -> ComputeOp:
     flops = 2.0 * tokens * in_features * out_features
-    elements = tokens * in_features + in_features * out_features + tokens * out_features
-    return ComputeOp(name, "gemm", flops, elements * BYTES_PER_ELEMENT, "linear")
+    weights = in_features * out_features
+    elements = tokens * in_features + weights + tokens * out_features
+    return ComputeOp(name, "gemm", flops, elements * BYTES_PER_ELEMENT, "linear", rows=tokens, cols=out_features,
+                     depth=in_features, fixed_bytes=weights * BYTES_PER_ELEMENT)
 
 
 def layer_forward_compute(dims: LayerDims) -> dict[str, ComputeOp]:
@@ -154,7 +173,8 @@ def layer_forward_compute(dims: LayerDims) -> dict[str, ComputeOp]:
         "qkv_post": _memory("qkv_post", "rope", post_elements, 1.0),
         "rope": _memory("rope", "rope", 2 * t * (q + kv), 3.0),
         "attention": ComputeOp("attention", "attention", attn_flops, attn_elements * BYTES_PER_ELEMENT,
-                               "attn"),
+                               "attn", rows=dims.batch * q / dims.shape.head_dim, cols=dims.seq_local,
+                               depth=seq_kv),
         "proj": _linear("proj", t, q, h),
         "bda_attn": _memory("bda_attn", "norm", 3 * t * h, 2.0),
         "fork_mlp": _memory("fork_mlp", "norm", 0.0),
@@ -172,8 +192,12 @@ def backward_of(op: ComputeOp) -> ComputeOp:
         "attention": (ATTENTION_BACKWARD_FLOPS, ATTENTION_BACKWARD_BYTES),
         "memory": (MEMORY_BACKWARD_BYTES, MEMORY_BACKWARD_BYTES),
     }[op.kind]
-    return ComputeOp(f"{op.name}_bwd", op.kind, op.flops * flops, op.hbm_bytes * hbm_bytes, op.slot_group,
-                     backward=True)
+    fixed = op.fixed_bytes * hbm_bytes
+    if op.kind == "gemm":
+        fixed += op.depth * op.cols * GRAD_ACCUM_BYTES_PER_WEIGHT
+    moving = (op.hbm_bytes - op.fixed_bytes) * hbm_bytes
+    return ComputeOp(f"{op.name}_bwd", op.kind, op.flops * flops, moving + fixed, op.slot_group,
+                     backward=True, rows=op.rows, cols=op.cols, depth=op.depth, fixed_bytes=fixed)
 
 
 def layer_comms(dims: LayerDims) -> dict[str, CommOp]:

@@ -1,0 +1,538 @@
+"""Calibrating the simulated GPU: measurement targets, what the simulator predicts for them, and a
+bounded least-squares fit of a documented subset of its parameters.
+
+A `Target` is one measured (or published) number and what it is a number *of*: a probe (time,
+energy, power or clock of a piece of work; a ratio between two clocks; a study-level figure such as
+"the best overlapped schedule's energy reduction over sequential execution") on a workload (model
+preset and layout), a GPU preset and optionally a board power limit. `predict` evaluates a target
+on a `SimCalibration`; `fit` moves the chosen parameters within their physical bounds
+(`FITTABLE`, `GPU_FITTABLE`) with `scipy.optimize.least_squares` to minimise the scaled errors of
+the *fit* targets, and reports the errors of the fit and the *held-out* targets separately.
+
+Targets come from a CSV of published points (`read_csv`: one row per target, the `Target` field
+names as columns), the device-check JSON (`from_device_check`: its `profiler` section, emulated
+partitions at whatever clock the GPU ran) or an NVML profile store with its job
+(`from_profile_store`). Errors: relative for absolute quantities (time, energy, power, clock,
+throughput, ratios between clocks), absolute (in fraction points) for reductions and excesses.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kareus.errors import KareusError
+from kareus.sim.gpus import GPU_FITTABLE, get_gpu
+from kareus.sim.measurement import Measurement
+from kareus.sim.paramsfile import SimCalibration
+from kareus.sim.physics import FITTABLE
+from kareus.sim.simulator import Simulator
+from kareus.workload.models import get_shape
+from kareus.workload.ops import LayerDims, layer_sequential_forward
+from kareus.workload.partitions import PartitionType, Workload, build_workload
+
+SPLITS = ("fit", "holdout")
+STUDY_SMS = tuple(range(1, 31))  # the paper's single-layer study: 1..30 comm SMs
+
+# probe → (unit, error kind, default tolerance). Tolerance scales a residual: an error of one
+# tolerance counts as 1 in the least-squares sum.
+PROBES: dict[str, tuple[str, str, float]] = {
+    "time_s": ("s", "relative", 0.03),
+    "energy_j": ("J", "relative", 0.03),
+    "avg_power_w": ("W", "relative", 0.03),
+    "avg_clock_mhz": ("MHz", "relative", 0.01),
+    "time_ratio": ("ratio", "relative", 0.01),
+    "energy_ratio": ("ratio", "relative", 0.01),
+    "energy_min_clock_mhz": ("MHz", "relative", 0.03),
+    "best_vs_sequential_energy_reduction": ("fraction", "absolute", 0.02),
+    "best_vs_sequential_time_reduction": ("fraction", "absolute", 0.02),
+    "best_vs_nanobatching_energy_reduction": ("fraction", "absolute", 0.02),
+    "best_vs_nanobatching_time_reduction": ("fraction", "absolute", 0.02),
+    "schedule_energy_spread": ("ratio", "relative", 0.05),
+    "slot_energy_excess": ("fraction", "absolute", 0.005),
+    "sms_energy_excess": ("fraction", "absolute", 0.005),
+    "megatron_tflops_per_gpu": ("TFLOP/s", "relative", 0.05),
+    "nanobatching_time_ratio": ("ratio", "relative", 0.02),
+}
+WORKS = ("partition", "sequential:layers", "sequential:partition", "instruction")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One number to reproduce, and what it is a number of (see the module docstring).
+
+    `work` says what a time/energy/power/clock probe measures: `partition` (one partition of type
+    `partition` at `launch_slot`, `comm_sms`), `sequential:partition` (that type's work run
+    Megatron-style, per nanobatch), `sequential:layers` (`layers` layers' forward passes of a
+    microbatch, Megatron-style) or `instruction` (stage `stage`'s `direction` instruction,
+    Megatron-style). Study probes use `partition` and `clock_mhz`; ratio probes `ref_clock_mhz`;
+    `energy_min_clock_mhz` the clocks in `clocks_mhz`."""
+
+    name: str
+    probe: str
+    value: float
+    unit: str
+    split: str = "fit"
+    gpu: str = "A100-SXM4-40GB"
+    power_limit_w: float | None = None
+    model: str = "llama3.2-3b"
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    seq_len: int = 4096
+    micro_batch_size: int = 2
+    layers: int = 1
+    work: str = "partition"
+    partition: str = ""
+    launch_slot: str = ""
+    comm_sms: int = 0
+    stage: int = 0
+    direction: str = "forward"
+    clock_mhz: int = 1410
+    ref_clock_mhz: int = 0
+    clocks_mhz: tuple[int, ...] = ()
+    tolerance: float = 0.0
+    source: str = ""
+
+    @property
+    def error_kind(self) -> str:
+        return PROBES[self.probe][1]
+
+    @property
+    def scale(self) -> float:
+        return self.tolerance or PROBES[self.probe][2]
+
+    def error(self, predicted: float) -> float:
+        """Signed error: relative ((predicted − value)/value) or absolute (predicted − value)."""
+        if self.error_kind == "relative":
+            return (predicted - self.value) / abs(self.value)
+        return predicted - self.value
+
+
+_FIELD_TYPES = {f.name: f.type for f in fields(Target)}
+
+
+def make_target(row: Mapping[str, Any], where: str) -> Target:
+    """A `Target` from a mapping of field names to (string or typed) values; one `KareusError`
+    naming the field otherwise."""
+    if None in row:
+        raise KareusError(f"{where}: more cells than header columns (quote cells that contain commas)")
+    unknown = [key for key in row if key not in _FIELD_TYPES]
+    if unknown:
+        raise KareusError(f"{where}: unknown field {unknown[0]!r}; allowed: {', '.join(_FIELD_TYPES)}")
+    values: dict[str, Any] = {}
+    for key, raw in row.items():
+        if raw is None or raw == "":
+            continue
+        kind = _FIELD_TYPES[key]
+        try:
+            if kind == "int":
+                values[key] = int(float(raw))
+            elif kind in ("float", "float | None"):
+                values[key] = float(raw)
+            elif kind == "tuple[int, ...]":
+                values[key] = tuple(int(x) for x in (raw.split(";") if isinstance(raw, str) else raw))
+            else:
+                values[key] = str(raw)
+        except (TypeError, ValueError):
+            raise KareusError(f"{where}: {key} must be a {kind}, got {raw!r}") from None
+    for required in ("name", "probe", "value", "unit"):
+        if required not in values:
+            raise KareusError(f"{where}: missing field {required!r}")
+    target = Target(**values)
+    if target.probe not in PROBES:
+        raise KareusError(f"{where}: probe {target.probe!r} unknown; allowed: {', '.join(PROBES)}")
+    unit = PROBES[target.probe][0]
+    if target.unit != unit:
+        raise KareusError(f"{where}: unit of probe {target.probe} must be {unit!r}, got {target.unit!r}")
+    if target.split not in SPLITS:
+        raise KareusError(f"{where}: split must be one of {', '.join(SPLITS)}, got {target.split!r}")
+    if target.work not in WORKS:
+        raise KareusError(f"{where}: work must be one of {', '.join(WORKS)}, got {target.work!r}")
+    if not math.isfinite(target.value) or (target.error_kind == "relative" and target.value == 0):
+        raise KareusError(f"{where}: value must be a finite number (non-zero for a relative probe), "
+                          f"got {target.value!r}")
+    get_gpu(target.gpu)
+    get_shape(target.model)
+    return target
+
+
+def read_csv(path: str | Path) -> list[Target]:
+    """Targets from a CSV with the `Target` field names as header (`#` lines are comments)."""
+    try:
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip() and not line.startswith("#")]
+    except OSError as error:
+        raise KareusError(f"{path}: cannot read ({error.strerror or error})") from None
+    rows = list(csv.DictReader(lines))
+    return [make_target(row, f"{path}:{index + 2}") for index, row in enumerate(rows)]
+
+
+# -- what the simulator predicts -----------------------------------------------------------------
+class Predictor:
+    """Evaluates targets on one calibration, sharing simulators and workloads between them."""
+
+    def __init__(self, calibration: SimCalibration) -> None:
+        self.calibration = calibration
+        self._simulators: dict[tuple[str, float | None], Simulator] = {}
+        self._workloads: dict[tuple, Workload] = {}
+
+    def simulator(self, target: Target) -> Simulator:
+        key = (target.gpu, target.power_limit_w)
+        if key not in self._simulators:
+            self._simulators[key] = Simulator(self.calibration.gpu(target.gpu), params=self.calibration.params,
+                                              power_limit_w=target.power_limit_w)
+        return self._simulators[key]
+
+    def workload(self, t: Target) -> Workload:
+        key = (t.model, t.tp, t.cp, t.pp, t.seq_len, t.micro_batch_size)
+        if key not in self._workloads:
+            self._workloads[key] = build_workload(get_shape(t.model), tp=t.tp, cp=t.cp, pp=t.pp, seq_len=t.seq_len,
+                                                  micro_batch_size=t.micro_batch_size)
+        return self._workloads[key]
+
+    def ptype(self, t: Target) -> PartitionType:
+        return self.workload(t).partition_type(t.partition)
+
+    def measure(self, t: Target, clock_mhz: int) -> Measurement:
+        sim = self.simulator(t)
+        if t.work == "sequential:layers":
+            dims = LayerDims(get_shape(t.model), t.tp, t.cp, t.micro_batch_size, t.seq_len // t.cp)
+            return sim.sequential(layer_sequential_forward(dims) * t.layers, clock_mhz)
+        if t.work == "instruction":
+            stages = self.workload(t).stages
+            if not 0 <= t.stage < len(stages):
+                raise KareusError(f"target {t.name}: stage {t.stage} outside 0..{len(stages) - 1}")
+            return sim.instruction(stages[t.stage], t.direction, clock_mhz, None)
+        if t.work == "sequential:partition":
+            return sim.sequential_partition(self.ptype(t), clock_mhz)
+        return sim.partition(self.ptype(t), clock_mhz, t.comm_sms, t.launch_slot)
+
+    def study(self, t: Target, clock_mhz: int) -> dict[tuple[str, int], Measurement]:
+        ptype, sim = self.ptype(t), self.simulator(t)
+        return {(slot, sms): sim.partition(ptype, clock_mhz, sms, slot)
+                for slot in ptype.launch_slots for sms in STUDY_SMS}
+
+    def predict(self, t: Target) -> float:
+        probe = t.probe
+        if probe in ("time_s", "energy_j", "avg_power_w", "avg_clock_mhz"):
+            return float(getattr(self.measure(t, t.clock_mhz), probe))
+        if probe in ("time_ratio", "energy_ratio"):
+            attr = "time_s" if probe == "time_ratio" else "energy_j"
+            return getattr(self.measure(t, t.clock_mhz), attr) / getattr(self.measure(t, t.ref_clock_mhz), attr)
+        if probe == "energy_min_clock_mhz":
+            clocks = t.clocks_mhz or tuple(c for c in get_gpu(t.gpu).search_clocks_mhz)
+            return float(min(clocks, key=lambda c: self.measure(t, c).energy_j))
+        if probe == "megatron_tflops_per_gpu":
+            return self.megatron_tflops(t)
+        if probe == "nanobatching_time_ratio":
+            return self.nanobatching_time_ratio(t)
+        grid = self.study(t, t.clock_mhz)
+        best = min(grid.values(), key=lambda m: m.energy_j)
+        if probe.startswith("best_vs_"):
+            sim = self.simulator(t)
+            ptype = self.ptype(t)
+            if "sequential" in probe:
+                other = sim.sequential_partition(ptype, t.clock_mhz)
+            else:
+                default = ptype.default_config()
+                other = sim.partition(ptype, t.clock_mhz, default.comm_sms, default.launch_slot)
+            attr = "energy_j" if "energy" in probe else "time_s"
+            return 1.0 - getattr(best, attr) / getattr(other, attr)
+        if probe == "schedule_energy_spread":
+            return max(m.energy_j for m in grid.values()) / best.energy_j
+        if probe == "slot_energy_excess":
+            at_slot = min(m.energy_j for (slot, _), m in grid.items() if slot == t.launch_slot)
+            return at_slot / best.energy_j - 1.0
+        if probe == "sms_energy_excess":
+            at_slot = min(m.energy_j for (slot, _), m in grid.items() if slot == t.launch_slot)
+            return grid[(t.launch_slot, t.comm_sms)].energy_j / at_slot - 1.0
+        raise KareusError(f"target {t.name}: probe {probe!r} unknown; allowed: {', '.join(PROBES)}")
+
+    def nanobatching_time_ratio(self, t: Target) -> float:
+        """Forward + backward time of stage `stage` under plain nanobatching (every partition at
+        its default launch and SMs) over the same instructions run Megatron-style."""
+        workload, sim = self.workload(t), self.simulator(t)
+        stage = workload.stages[t.stage]
+        configs = {name: ptype.default_config() for name, ptype in workload.partition_types.items()}
+        split = sum(sim.instruction(stage, d, t.clock_mhz, configs).time_s for d in ("forward", "backward"))
+        whole = sum(sim.instruction(stage, d, t.clock_mhz, None).time_s for d in ("forward", "backward"))
+        return split / whole
+
+    def megatron_tflops(self, t: Target) -> float:
+        """Model FLOPs per second per GPU of Megatron-style 1F1B in steady state (bubble excluded):
+        the slowest stage's forward + backward (with recompute) per microbatch."""
+        shape = get_shape(t.model)
+        workload = self.workload(t)
+        sim = self.simulator(t)
+        tokens = t.micro_batch_size * t.seq_len
+        h = shape.hidden_size
+        layer = h * (shape.q_size + 2 * shape.kv_size) + shape.q_size * h + 3 * h * shape.ffn_hidden_size
+        attention = 2 * 2 * tokens * t.seq_len / 2 * shape.q_size * shape.num_layers
+        model_flops = 6 * layer * shape.num_layers * tokens + 6 * h * shape.vocab_size * tokens + 3 * attention
+        stage_s = max(sim.instruction(stage, "forward", t.clock_mhz, None).time_s
+                      + sim.instruction(stage, "backward", t.clock_mhz, None).time_s for stage in workload.stages)
+        return model_flops / stage_s / (t.tp * t.cp * t.pp) / 1e12
+
+
+def predict_all(calibration: SimCalibration, targets: Sequence[Target]) -> list[float]:
+    predictor = Predictor(calibration)
+    return [predictor.predict(t) for t in targets]
+
+
+# -- the fit ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Row:
+    """One target after the fit."""
+
+    target: Target
+    predicted: float
+    error: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.target.name, "split": self.target.split, "probe": self.target.probe,
+                "unit": self.target.unit, "target": self.target.value, "value": self.predicted,
+                "error": self.error, "error_kind": self.target.error_kind, "source": self.target.source}
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The fitted calibration, the parameters it moved, and every target's error."""
+
+    calibration: SimCalibration
+    fitted: dict[str, float]
+    rows: tuple[Row, ...]
+    evaluations: int
+
+    def errors(self, split: str, kind: str) -> list[float]:
+        return [r.error for r in self.rows if r.target.split == split and r.target.error_kind == kind]
+
+    def summary(self) -> dict[str, Any]:
+        """Root-mean-square error per split and error kind (relative errors and fraction points)."""
+        out: dict[str, Any] = {}
+        for split in SPLITS:
+            for kind in ("relative", "absolute"):
+                errors = self.errors(split, kind)
+                if errors:
+                    out[f"{split}_{kind}_rms"] = math.sqrt(statistics.fmean(e * e for e in errors))
+                    out[f"{split}_{kind}_max"] = max(abs(e) for e in errors)
+        return out
+
+    def to_fit_record(self) -> dict[str, Any]:
+        return {"fitted": self.fitted, "evaluations": self.evaluations, **self.summary(),
+                "targets": [r.to_dict() for r in self.rows]}
+
+
+def parameter_bounds(name: str) -> tuple[float, float]:
+    """Bounds of a fittable parameter: `NAME` (SimParams) or `gpu.FIELD` (the targets' GPUs)."""
+    if name.startswith("gpu."):
+        field_name = name[4:]
+        if field_name not in GPU_FITTABLE:
+            raise KareusError(f"--fit: {name!r} is not a fittable GPU field; allowed: "
+                              f"{', '.join('gpu.' + f for f in GPU_FITTABLE)}")
+        return GPU_FITTABLE[field_name]
+    if name not in FITTABLE:
+        raise KareusError(f"--fit: {name!r} is not a fittable parameter; allowed: "
+                          f"{', '.join([*FITTABLE, *('gpu.' + f for f in GPU_FITTABLE)])}")
+    return FITTABLE[name]
+
+
+def with_values(base: SimCalibration, names: Sequence[str], values: Iterable[float],
+                gpus: Sequence[str]) -> SimCalibration:
+    """`base` with the named parameters set (GPU fields on every GPU in `gpus`)."""
+    params: dict[str, float] = {}
+    gpu_values: dict[str, float] = {}
+    for name, value in zip(names, values, strict=True):
+        if name.startswith("gpu."):
+            gpu_values[name[4:]] = float(value)
+        else:
+            params[name] = float(value)
+    merged = {gpu: {**base.gpus.get(gpu, {}), **gpu_values} for gpu in {*base.gpus, *gpus}}
+    return replace(base, params=replace(base.params, **params), gpus=merged)
+
+
+def current_value(calibration: SimCalibration, name: str, gpu: str) -> float:
+    if name.startswith("gpu."):
+        return float(getattr(calibration.gpu(gpu), name[4:]))
+    return float(getattr(calibration.params, name))
+
+
+def fit(targets: Sequence[Target], names: Sequence[str], start: SimCalibration | None = None, *,
+        max_evaluations: int = 400, on_evaluation: Callable[[int, float], None] | None = None) -> FitResult:
+    """Least squares with bounds over `names`, on the fit targets; every target is reported."""
+    from scipy.optimize import least_squares
+
+    start = start or SimCalibration()
+    fit_set = [t for t in targets if t.split == "fit"]
+    holdout = [t for t in targets if t.split == "holdout"]
+    if not fit_set:
+        raise KareusError("calibrate: the fit set is empty (every target has split=holdout); "
+                          "mark some targets split=fit")
+    if not holdout:
+        raise KareusError("calibrate: the held-out set is empty (every target has split=fit); "
+                          "mark some targets split=holdout so the fit can be judged")
+    if not names:
+        raise KareusError("--fit: name at least one parameter to fit")
+    duplicates = {n for n in names if list(names).count(n) > 1}
+    if duplicates:
+        raise KareusError(f"--fit: {sorted(duplicates)[0]!r} named twice")
+    bounds = [parameter_bounds(name) for name in names]
+    gpus = sorted({get_gpu(t.gpu).name for t in targets})
+    x0 = []
+    for name, (low, high) in zip(names, bounds, strict=True):
+        value = current_value(start, name, gpus[0])
+        x0.append(min(max((value - low) / (high - low), 0.0), 1.0))
+    evaluations = 0
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        nonlocal evaluations
+        evaluations += 1
+        calibration = with_values(start, names, _denormalise(x, bounds), gpus)
+        predicted = predict_all(calibration, fit_set)
+        out = np.array([t.error(p) / t.scale for t, p in zip(fit_set, predicted, strict=True)])
+        if on_evaluation is not None:
+            on_evaluation(evaluations, float(np.sum(out * out)))
+        return out
+
+    solution = least_squares(residuals, np.array(x0), bounds=(0.0, 1.0), diff_step=1e-3, x_scale=1.0,
+                             max_nfev=max_evaluations, method="trf")
+    values = _denormalise(solution.x, bounds)
+    calibration = with_values(start, names, values, gpus)
+    predicted = predict_all(calibration, targets)
+    rows = tuple(Row(t, p, t.error(p)) for t, p in zip(targets, predicted, strict=True))
+    fitted = {name: float(v) for name, v in zip(names, values, strict=True)}
+    result = FitResult(calibration, fitted, rows, evaluations)
+    return replace(result, calibration=replace(calibration, fit=result.to_fit_record()))
+
+
+def evaluate(calibration: SimCalibration, targets: Sequence[Target]) -> FitResult:
+    """Every target's error under `calibration`, nothing fitted."""
+    predicted = predict_all(calibration, targets)
+    rows = tuple(Row(t, p, t.error(p)) for t, p in zip(targets, predicted, strict=True))
+    return FitResult(calibration, {}, rows, 1)
+
+
+def _denormalise(x: Sequence[float], bounds: Sequence[tuple[float, float]]) -> list[float]:
+    return [low + float(v) * (high - low) for v, (low, high) in zip(x, bounds, strict=True)]
+
+
+# -- measurement sources ---------------------------------------------------------------------------
+# The device check's profiler section measures one GPU's share of this layout (bench/device_check.py).
+DEVICE_CHECK_LAYOUT = {"tp": 2, "cp": 1, "pp": 1, "seq_len": 4096, "micro_batch_size": 2}
+
+
+def from_device_check(path: str | Path, holdout_every: int = 3) -> list[Target]:
+    """Targets from `bench/device_check.py`'s JSON: each emulated partition of its `profiler`
+    section with an NVML energy window gives a time target (CUDA events) and an energy target
+    (the window's energy per run) at the median SM clock read inside the window."""
+    data = _json(path)
+    if data.get("schema") != "kareus.device_check":
+        raise KareusError(f"{path}: not a device-check report (schema {data.get('schema')!r}, "
+                          "expected 'kareus.device_check')")
+    section = data.get("sections", {}).get("profiler", {})
+    if section.get("status") != "ok":
+        raise KareusError(f"{path}: its profiler section did not run ({section.get('status', 'missing')}: "
+                          f"{section.get('reason') or section.get('error') or 'no result'}); nothing to fit")
+    result = section["result"]
+    gpu = _device_gpu(data, result)
+    targets: list[Target] = []
+    for row in result.get("rows", []):
+        window = row.get("window") or {}
+        clocks = window.get("sm_clock_mhz_inside") or []
+        if "time_s" not in row or "energy_j" not in window or not clocks:
+            continue
+        clock = int(statistics.median(clocks))
+        base = {"gpu": gpu, "model": result.get("preset", "llama3.1-8b"), "work": "partition",
+                "partition": row["type"], "launch_slot": row["launch_slot"], "comm_sms": row["comm_sms"],
+                "clock_mhz": clock, "source": f"device check {Path(path).name}", **DEVICE_CHECK_LAYOUT}
+        name = f"{row['type']}@{row['launch_slot']}/{row['comm_sms']} {clock} MHz"
+        targets.append(make_target({**base, "name": f"{name} time", "probe": "time_s", "value": row["time_s"],
+                                    "unit": "s"}, str(path)))
+        targets.append(make_target({**base, "name": f"{name} energy", "probe": "energy_j",
+                                    "value": window["energy_j"], "unit": "J"}, str(path)))
+    if not targets:
+        raise KareusError(f"{path}: its profiler section has no rows with an energy window and clock readings")
+    return assign_splits(targets, holdout_every)
+
+
+def _device_gpu(data: Mapping[str, Any], result: Mapping[str, Any]) -> str:
+    for row in result.get("rows", []):
+        simulated = row.get("simulated") or {}
+        if isinstance(simulated, Mapping) and simulated.get("gpu"):
+            return get_gpu(simulated["gpu"]).name
+    return get_gpu(str(data.get("cuda_device_0", ""))).name
+
+
+def from_profile_store(path: str | Path, job: Any, holdout_every: int = 3) -> list[Target]:
+    """Targets from an NVML profile store (`kareus profile --store DIR`, one `<key>.jsonl`) of
+    `job` (a `KareusJob`): partition measurements and Megatron-style instructions, time and energy."""
+    from kareus.workload.models import CALIBRATION_PRESETS, PRESETS
+
+    spec = getattr(job, "spec", job)
+    shape = spec.model_shape()
+    if shape.name not in PRESETS and shape.name not in CALIBRATION_PRESETS:
+        raise KareusError(f"--job: model {shape.name!r} is not a preset; calibrate against a preset model "
+                          f"(allowed: {', '.join(sorted(PRESETS))})")
+    par = spec.parallelism
+    layout = {"gpu": get_gpu(spec.gpu_product).name, "model": shape.name, "tp": int(par.tensor),
+              "cp": int(par.context), "pp": int(par.pipeline), "seq_len": int(spec.sequence_length),
+              "micro_batch_size": int(par.micro_batch_size)}
+    targets: list[Target] = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise KareusError(f"{path}: cannot read ({error.strerror or error})") from None
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line
+        kind = record.get("kind")
+        if kind == "partition":
+            base = {**layout, "work": "partition", "partition": record["type"], "launch_slot": record["launch_slot"],
+                    "comm_sms": record["comm_sms"], "clock_mhz": record["clock_mhz"]}
+            name = f"{record['type']}@{record['launch_slot']}/{record['comm_sms']} {record['clock_mhz']} MHz"
+        elif kind == "work" and record.get("what") == "sequential":
+            base = {**layout, "work": "instruction", "stage": record["stage"], "direction": record["direction"],
+                    "clock_mhz": record["clock_mhz"]}
+            name = f"stage {record['stage']} {record['direction']} {record['clock_mhz']} MHz"
+        else:
+            continue
+        base["source"] = f"profile store {Path(path).name}:{number}"
+        targets.append(make_target({**base, "name": f"{name} time", "probe": "time_s",
+                                    "value": record["time_s"], "unit": "s"}, f"{path}:{number}"))
+        targets.append(make_target({**base, "name": f"{name} energy", "probe": "energy_j",
+                                    "value": record["energy_j"], "unit": "J"}, f"{path}:{number}"))
+    if not targets:
+        raise KareusError(f"{path}: no partition or sequential measurements in the store")
+    return assign_splits(targets, holdout_every)
+
+
+def assign_splits(targets: Sequence[Target], holdout_every: int) -> list[Target]:
+    """Every `holdout_every`-th measurement (time and energy together) is held out."""
+    if holdout_every < 2:
+        raise KareusError(f"--holdout-every: must be >= 2, got {holdout_every}")
+    out = []
+    for index, target in enumerate(targets):
+        pair = index // 2
+        out.append(replace(target, split="holdout" if pair % holdout_every == holdout_every - 1 else "fit"))
+    return out
+
+
+def _json(path: str | Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise KareusError(f"{path}: cannot read ({error.strerror or error})") from None
+    except json.JSONDecodeError as error:
+        raise KareusError(f"{path}: not JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(data, dict):
+        raise KareusError(f"{path}: expected a JSON object")
+    return data
