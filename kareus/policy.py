@@ -12,7 +12,10 @@ ConfigMap (key `policy.yaml`) that the operator reads with `load_policy`. The po
   anything outside;
 - per-namespace energy budgets in kilowatt-hours;
 - whether profiles may be reused across jobs with the same profile key;
-- which namespaces may run KareusJobs at all (empty means every namespace).
+- which namespaces may run KareusJobs at all (empty means every namespace);
+- a cluster power budget (`powerBudget`): watts for the whole cluster and/or per GPU product or
+  node pool, within which the operator gives every running job a frontier point
+  (`kareus.power_budget`).
 
 Every key is optional; an absent key takes the permissive default. A typo is an error naming the
 key, because a silently ignored policy is worse than none. `check_job` compares one job with the
@@ -41,10 +44,14 @@ OBJECTIVES: tuple[str, ...] = ("maxThroughput", "timeBudget", "energyBudget")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _TOP_KEYS = frozenset({
     "allowedObjectives", "defaultObjective", "maxSlowdownPercent", "clockBounds",
-    "namespaceEnergyBudgets", "profileReuse", "allowedNamespaces",
+    "namespaceEnergyBudgets", "profileReuse", "allowedNamespaces", "powerBudget",
 })
 _BOUNDS_KEYS = frozenset({"floorMHz", "ceilingMHz"})
 _CLOCK_KEYS = frozenset({"default", "gpuModels"})
+_POWER_KEYS = frozenset({"watts", "gpuProducts", "nodePools", "nodePoolLabel", "method", "resolutionWatts"})
+POWER_METHODS: tuple[str, ...] = ("exact", "greedy")
+DEFAULT_NODE_POOL_LABEL = "kareus.dev/node-pool"
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 class PolicyError(KareusError):
@@ -79,6 +86,37 @@ class ClockBounds:
 
 
 @dataclass(frozen=True)
+class PowerBudget:
+    """Cluster power budget in watts (predicted average power of the jobs' frontier points).
+
+    `cluster_w` bounds every job together; `gpu_products_w` the jobs on one GPU product (keys in
+    any spelling `gpu_model_key` normalises) and `node_pools_w` the jobs in one node pool (the
+    value of label `node_pool_label` on their nodes). None/empty: no bound at that level. `method`
+    is the allocator (`exact` DP or `greedy` on the convex hulls), `resolution_w` the exact DP's
+    power step (None: chosen from the budgets, see `kareus.power_budget`).
+    """
+
+    cluster_w: float | None = None
+    gpu_products_w: Mapping[str, float] = field(default_factory=dict)
+    node_pools_w: Mapping[str, float] = field(default_factory=dict)
+    node_pool_label: str = DEFAULT_NODE_POOL_LABEL
+    method: str = "exact"
+    resolution_w: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any level is bounded (otherwise the operator allocates nothing)."""
+        return self.cluster_w is not None or bool(self.gpu_products_w) or bool(self.node_pools_w)
+
+    def product_w(self, gpu_product: str | None) -> float | None:
+        """The budget of a GPU product, in node-label or plain spelling, or None."""
+        if not gpu_product:
+            return None
+        wanted = gpu_model_key(gpu_product)
+        return next((w for name, w in self.gpu_products_w.items() if gpu_model_key(name) == wanted), None)
+
+
+@dataclass(frozen=True)
 class ClusterPolicy:
     """The typed policy; the defaults allow everything (what an absent ConfigMap means)."""
 
@@ -90,6 +128,7 @@ class ClusterPolicy:
     namespace_energy_budgets_kwh: Mapping[str, float] = field(default_factory=dict)
     profile_reuse: bool = True
     allowed_namespaces: frozenset[str] = frozenset()
+    power_budget: PowerBudget = PowerBudget()
 
     def namespace_allowed(self, namespace: str) -> bool:
         return not self.allowed_namespaces or namespace in self.allowed_namespaces
@@ -154,6 +193,7 @@ def load_policy(source: str | Mapping[str, Any] | None) -> ClusterPolicy:
         namespace_energy_budgets_kwh=_energy_budgets(raw.get("namespaceEnergyBudgets", {})),
         profile_reuse=_boolean(raw.get("profileReuse", True), "policy.profileReuse"),
         allowed_namespaces=_namespaces(raw.get("allowedNamespaces", [])),
+        power_budget=_power_budget(raw.get("powerBudget", {})),
     )
 
 
@@ -271,6 +311,52 @@ def _energy_budgets(raw: Any) -> dict[str, float]:
             raise PolicyError(f"{where}.{namespace}: must be a number of kilowatt-hours > 0")
         budgets[namespace] = budget
     return budgets
+
+
+def _watts(value: Any, where: str) -> float:
+    number = _optional_positive(value, where)
+    if number is None:
+        raise PolicyError(f"{where}: must be a number of watts > 0")
+    return number
+
+
+def _watts_by_name(raw: Any, where: str, what: str) -> dict[str, float]:
+    if not isinstance(raw, Mapping):
+        raise PolicyError(f"{where}: must map {what} names to watts")
+    budgets: dict[str, float] = {}
+    for name, watts in raw.items():
+        if not isinstance(name, str) or not name.strip():
+            raise PolicyError(f"{where}: {name!r} is not a {what} name")
+        budgets[name] = _watts(watts, f"{where}.{name}")
+    return budgets
+
+
+def _power_budget(raw: Any) -> PowerBudget:
+    where = "policy.powerBudget"
+    if raw is None:
+        return PowerBudget()
+    if not isinstance(raw, Mapping):
+        raise PolicyError(f"{where}: must be a mapping with watts, gpuProducts and/or nodePools")
+    _reject_unknown(raw, _POWER_KEYS, where)
+    cluster = raw.get("watts")
+    products = _watts_by_name(raw.get("gpuProducts") or {}, f"{where}.gpuProducts", "GPU product")
+    keys = [gpu_model_key(name) for name in products]
+    if len(set(keys)) != len(keys):
+        raise PolicyError(f"{where}.gpuProducts: two keys name the same GPU product ({', '.join(products)})")
+    label = raw.get("nodePoolLabel", DEFAULT_NODE_POOL_LABEL)
+    if not isinstance(label, str) or not _LABEL_KEY.match(label):
+        raise PolicyError(f"{where}.nodePoolLabel: {label!r} is not a Kubernetes label key")
+    method = raw.get("method", "exact")
+    if method not in POWER_METHODS:
+        raise PolicyError(f"{where}.method: must be one of {', '.join(POWER_METHODS)}, got {method!r}")
+    return PowerBudget(
+        cluster_w=None if cluster is None else _watts(cluster, f"{where}.watts"),
+        gpu_products_w=products,
+        node_pools_w=_watts_by_name(raw.get("nodePools") or {}, f"{where}.nodePools", "node pool"),
+        node_pool_label=label,
+        method=method,
+        resolution_w=_optional_positive(raw.get("resolutionWatts"), f"{where}.resolutionWatts"),
+    )
 
 
 def _namespaces(raw: Any) -> frozenset[str]:

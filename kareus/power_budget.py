@@ -1,0 +1,715 @@
+"""Cluster power budget: one frontier point per job, the jobs' power within budget, throughput highest.
+
+Every KareusJob's plan carries its iteration frontier: points `(time_s, energy_j)` over all of the
+job's GPUs, static energy included, so each point has a predicted average power
+`power_w = energy_j / time_s`. Given a budget in watts — for the whole cluster and/or per GPU
+product and node pool (`kareus.policy.PowerBudget`) — `allocate(jobs, budget)` picks one point per
+job so that the predicted powers of the jobs under every budget sum to at most that budget and the
+jobs' summed **normalised throughput** is largest: a job at point p counts
+`weight × T_fastest / T_p` (1 at its fastest point), so jobs of different sizes and models are
+comparable. It is a multiple-choice knapsack over the frontiers.
+
+Rules, in order:
+
+1. A job's objective comes first: with a time budget or deadline (`max_time_s`) only points that
+   meet it are candidates, with an energy budget only those within it. A frontier with no such
+   point leaves the job its fastest (time) or least-energy (energy) point.
+2. Running jobs are never held. New jobs (`running=False`) are admitted in list order while every
+   budget still fits all admitted jobs at their lowest-power candidates; the others are held (not
+   started), and the result says which. If the running jobs alone cannot fit, the allocation is
+   infeasible: running jobs get their lowest-power candidates (never slower than their deadlines)
+   and the message says by how much the budget is exceeded.
+3. Among admitted jobs, throughput is maximised by one of two methods:
+
+   - `exact`: dynamic programming over power discretised in steps of δ watts (`resolution_w`;
+     default: the step at which n·δ is 0.2 % of each budget, coarser only if the largest budget
+     would need more than 100,000 steps). Powers are rounded *up* to whole steps, so the
+     allocation's true power never exceeds any budget, and its value is at least the true optimum
+     for budgets each shrunk by n·δ (n = the jobs under that budget). The same DP with powers
+     rounded *down* solves a relaxation, so it and the greedy's LP bound (below) are upper bounds
+     on the true optimum; `upper_bound` is the smaller, and `upper_bound − value` a certified gap.
+     Budgets must nest (node pools inside GPU products inside the cluster): the DP runs over that
+     tree. Budgets that cross fall back to `greedy` (said in the message). Where the greedy's
+     assignment (cheap to compute) has the higher value — rounding can cost the DP up to its bound
+     — that one is returned, so `exact` is never worse than `greedy`.
+   - `greedy`: every job starts at its lowest-power candidate and climbs its upper concave hull of
+     (power, value); the step with the best value per watt that fits every budget on the job's way
+     up is taken next. Its bound: the LP relaxation (fractional hull steps) is an upper bound on
+     the optimum, and with one budget the greedy is within one hull step's value of it
+     (value ≥ LP − max step Δv). `upper_bound` is the smallest of the LP bounds per budget level.
+
+Limits: predicted power is the plan's average over an iteration, not a peak; power of GPUs that
+run no KareusJob is not counted (give the budget net of them); jobs' points are taken as
+independent (shared cooling or power delivery is not modelled).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from kareus.errors import KareusError
+from kareus.objective import iteration_budget, parse_objective
+from kareus.policy import PowerBudget, gpu_model_key
+
+METHODS = ("exact", "greedy")
+SHRINK = 2e-3  # the exact DP's default step loses at most this share of any budget
+MAX_CELLS = 100_000  # DP steps in the largest budget, at most (memory and time bound)
+_REL = 1e-9  # float slack when comparing sums with budgets
+
+
+@dataclass(frozen=True)
+class PowerPoint:
+    """One frontier point of a job: its row in the plan's frontier table, time and energy (all GPUs)."""
+
+    row: int
+    time_s: float
+    energy_j: float
+
+    @property
+    def power_w(self) -> float:
+        return self.energy_j / self.time_s
+
+    @property
+    def iterations_per_s(self) -> float:
+        return 1.0 / self.time_s
+
+
+@dataclass(frozen=True)
+class PowerJob:
+    """A job as the allocator sees it: its frontier, where it runs, whether it runs, its objective's bounds."""
+
+    name: str
+    points: tuple[PowerPoint, ...]
+    gpu_product: str = ""
+    node_pool: str = ""
+    running: bool = True
+    weight: float = 1.0
+    max_time_s: float | None = None  # a time budget or deadline: slower points are never allotted
+    max_energy_j: float | None = None  # an energy budget per iteration
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise KareusError(f"job {self.name}: the frontier has no points")
+        for p in self.points:
+            if not (p.time_s > 0 and p.energy_j > 0 and math.isfinite(p.time_s) and math.isfinite(p.energy_j)):
+                raise KareusError(f"job {self.name}: frontier row {p.row} needs time_s > 0 and energy_j > 0")
+        if not self.weight > 0:
+            raise KareusError(f"job {self.name}: weight must be > 0, got {self.weight}")
+
+    @cached_property
+    def fastest_time_s(self) -> float:
+        return min(p.time_s for p in self.points)
+
+    def meets_objective(self, point: PowerPoint) -> bool:
+        fits_time = self.max_time_s is None or point.time_s <= self.max_time_s * (1 + _REL)
+        fits_energy = self.max_energy_j is None or point.energy_j <= self.max_energy_j * (1 + _REL)
+        return fits_time and fits_energy
+
+    def candidates(self) -> tuple[PowerPoint, ...]:
+        """The points the allocator may give this job (rule 1 of the module docstring)."""
+        fitting = tuple(p for p in self.points if self.meets_objective(p))
+        if fitting:
+            return fitting
+        if self.max_time_s is not None:
+            return (min(self.points, key=lambda p: (p.time_s, p.energy_j)),)
+        return (min(self.points, key=lambda p: (p.energy_j, p.time_s)),)
+
+    def value(self, point: PowerPoint) -> float:
+        """Weighted normalised throughput: 1 × weight at the fastest point."""
+        return self.weight * self.fastest_time_s / point.time_s
+
+    @classmethod
+    def from_plan(cls, name: str, plan: Any, *, objective: object = None, steps: int | None = None,
+                  now: datetime | None = None, gpu_product: str | None = None, node_pool: str = "",
+                  running: bool = True, weight: float = 1.0) -> PowerJob:
+        """From a `kareus.plan.Plan` (its frontier table) and the job's objective (default: the
+        plan's). Whole-job budgets are spread over `steps` (the steps still to run; default the
+        plan's); a deadline that has passed keeps the job at its fastest point."""
+        points = tuple(PowerPoint(i, row.time_s, row.energy_j) for i, row in enumerate(plan.frontier.rows))
+        chosen = parse_objective(plan.objective if objective is None else objective)
+        try:
+            bound = iteration_budget(chosen, [(p.time_s, p.energy_j) for p in points],
+                                     steps=steps or plan.job.steps, now=now)
+            max_time_s, max_energy_j = bound.max_time_s, bound.max_energy_j
+        except KareusError:
+            max_time_s, max_energy_j = min(p.time_s for p in points), None
+        return cls(name, points, gpu_product=gpu_product or plan.job.gpu, node_pool=node_pool, running=running,
+                   weight=weight, max_time_s=max_time_s, max_energy_j=max_energy_j)
+
+
+@dataclass(frozen=True)
+class Allotment:
+    """What one job gets: a frontier row and its predicted power, or held (not started)."""
+
+    name: str
+    row: int | None
+    time_s: float | None
+    energy_j: float | None
+    power_w: float
+    normalised_throughput: float
+    held: bool = False
+    meets_objective: bool = True
+    reason: str = ""
+
+    @property
+    def iterations_per_s(self) -> float:
+        return 1.0 / self.time_s if self.time_s else 0.0
+
+    def status(self) -> dict[str, Any]:
+        """A camelCase form for a KareusJob's status (e.g. `status.powerAllotment`)."""
+        return {"watts": round(self.power_w, 3), "frontierRow": self.row, "held": self.held,
+                "predictedIterationSeconds": self.time_s, "normalisedThroughput": round(self.normalised_throughput, 6),
+                "message": self.reason}
+
+
+@dataclass(frozen=True)
+class BudgetUse:
+    """One budget: which jobs it covers, its limit and what the allotments use of it."""
+
+    key: str  # "cluster", "gpuProduct/<name>" or "nodePool/<name>"
+    limit_w: float
+    used_w: float
+    jobs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The allocator's result; `allotments` in the jobs' order."""
+
+    allotments: tuple[Allotment, ...]
+    method: str
+    feasible: bool
+    held: tuple[str, ...]
+    total_power_w: float
+    budgets: tuple[BudgetUse, ...]
+    value: float  # Σ weighted normalised throughput
+    upper_bound: float  # ≥ the optimum's value (see the module docstring)
+    resolution_w: float | None = None  # the exact DP's power step
+    message: str = ""
+
+    @property
+    def gap(self) -> float:
+        """A certified bound on how far `value` is below the optimum."""
+        return max(0.0, self.upper_bound - self.value)
+
+    def get(self, name: str) -> Allotment:
+        for allotment in self.allotments:
+            if allotment.name == name:
+                return allotment
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "feasible": self.feasible, "held": list(self.held),
+                "total_power_w": self.total_power_w, "value": self.value, "upper_bound": self.upper_bound,
+                "gap": self.gap, "resolution_w": self.resolution_w, "message": self.message,
+                "budgets": [{"key": b.key, "limit_w": b.limit_w, "used_w": b.used_w, "jobs": list(b.jobs)}
+                            for b in self.budgets],
+                "allotments": [{"name": a.name, "row": a.row, "time_s": a.time_s, "energy_j": a.energy_j,
+                                "power_w": a.power_w, "normalised_throughput": a.normalised_throughput,
+                                "held": a.held, "meets_objective": a.meets_objective, "reason": a.reason}
+                               for a in self.allotments]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets as constraints
+
+
+@dataclass
+class _Constraint:
+    key: str
+    limit_w: float
+    members: frozenset[str]
+    level: int  # 0 cluster, 1 GPU product, 2 node pool
+    children: list[_Constraint] = field(default_factory=list)
+    jobs: list[str] = field(default_factory=list)  # jobs directly under this budget
+
+
+def _constraints(jobs: Sequence[PowerJob], budget: PowerBudget) -> list[_Constraint]:
+    """Every budget that covers at least one job."""
+    names = frozenset(j.name for j in jobs)
+    found = []
+    if budget.cluster_w is not None:
+        found.append(_Constraint("cluster", budget.cluster_w, names, 0))
+    for product, watts in budget.gpu_products_w.items():
+        members = frozenset(j.name for j in jobs if j.gpu_product and gpu_model_key(j.gpu_product) == gpu_model_key(product))
+        found.append(_Constraint(f"gpuProduct/{product}", watts, members, 1))
+    for pool, watts in budget.node_pools_w.items():
+        found.append(_Constraint(f"nodePool/{pool}", watts, frozenset(j.name for j in jobs if j.node_pool == pool), 2))
+    return [c for c in found if c.members]
+
+
+def _crossing(constraints: Sequence[_Constraint]) -> tuple[_Constraint, _Constraint] | None:
+    """Two budgets whose jobs overlap without one containing the other (the DP needs a tree)."""
+    for i, a in enumerate(constraints):
+        for b in constraints[i + 1:]:
+            if a.members & b.members and not (a.members <= b.members or b.members <= a.members):
+                return a, b
+    return None
+
+
+def _tree(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> _Constraint:
+    """Nest the (laminar) budgets; the root is the cluster budget, or an unbounded one."""
+    ordered = sorted(constraints, key=lambda c: (-len(c.members), c.level))
+    root = ordered[0] if ordered and ordered[0].key == "cluster" else _Constraint(
+        "(none)", math.inf, frozenset(j.name for j in jobs), -1)
+    placed = [root]
+    for c in ordered:
+        if c is root:
+            continue
+        parent = min((p for p in placed if c.members <= p.members), key=lambda p: (len(p.members), -p.level))
+        parent.children.append(c)
+        placed.append(c)
+    for job in jobs:
+        home = min((p for p in placed if job.name in p.members), key=lambda p: (len(p.members), -p.level))
+        home.jobs.append(job.name)
+    return root
+
+
+def _fits(usage: Mapping[str, float], constraints: Sequence[_Constraint]) -> bool:
+    return all(usage[c.key] <= c.limit_w * (1 + _REL) + 1e-9 for c in constraints)
+
+
+# ---------------------------------------------------------------------------------------------
+# The allocator
+
+
+def allocate(jobs: Sequence[PowerJob], budget: PowerBudget, *, method: str | None = None,
+             resolution_w: float | None = None) -> Allocation:
+    """One frontier point per job within `budget` (see the module docstring for the rules).
+
+    `method` and `resolution_w` default to the budget's (`PowerBudget.method`, `.resolution_w`).
+    """
+    method = method or budget.method
+    if method not in METHODS:
+        raise KareusError(f"power allocation method must be one of {', '.join(METHODS)}, got {method!r}")
+    names = [j.name for j in jobs]
+    if len(set(names)) != len(names):
+        raise KareusError("power allocation: job names must be unique")
+    constraints = _constraints(jobs, budget)
+    by_name = {j.name: j for j in jobs}
+    admitted, held, feasible = _admit(jobs, constraints)
+    note = ""
+    if not feasible:
+        picks = {j.name: _lowest_power(j) for j in admitted}
+        bound = sum(j.value(p) for j in admitted for p in [picks[j.name]])
+        result = _result(jobs, picks, held, constraints, method, bound, None, feasible=False)
+        return _with_message(result, _infeasible_text(result, held))
+    if method == "exact" and (crossing := _crossing(constraints)) is not None:
+        a, b = crossing
+        method, note = "greedy", (f"budgets {a.key} and {b.key} cross (jobs in one but not all of both), so the "
+                                  "exact DP (which needs nested budgets) fell back to greedy; ")
+    admitted_names = {j.name for j in admitted}
+    members = [by_name[n] for n in names if n in admitted_names]
+    if method == "exact":
+        step_w = resolution_w or budget.resolution_w or _default_resolution(constraints)
+        try:
+            picks = _exact(members, constraints, step_w, round_up=True)
+        except _RoundingInfeasible as error:
+            method, note = "greedy", f"{error}, so the exact DP fell back to greedy; "
+    if method == "exact":
+        greedy_picks = _greedy(members, constraints)  # cheap; where rounding lost more, it is better
+        if sum(j.value(greedy_picks[j.name]) for j in members) > sum(j.value(picks[j.name]) for j in members):
+            picks, note = greedy_picks, note + "the greedy's assignment beat the discretised DP's and is used; "
+        upper_picks = _exact(members, constraints, step_w, round_up=False)
+        upper = min(sum(j.value(upper_picks[j.name]) for j in members), _lp_bound(members, constraints))
+        result = _result(jobs, picks, held, constraints, "exact", upper, step_w, feasible=True)
+    else:
+        picks = _greedy(members, constraints)
+        result = _result(jobs, picks, held, constraints, "greedy", _lp_bound(members, constraints), None,
+                         feasible=True)
+    return _with_message(result, note + _summary_text(result))
+
+
+def _lowest_power(job: PowerJob) -> PowerPoint:
+    return min(job.candidates(), key=lambda p: (p.power_w, -job.value(p)))
+
+
+def _admit(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> tuple[list[PowerJob], list[str], bool]:
+    """Running jobs always; new jobs in order while every budget fits all at their lowest power."""
+    usage = {c.key: 0.0 for c in constraints}
+
+    def add(job: PowerJob) -> dict[str, float]:
+        power = _lowest_power(job).power_w
+        return {c.key: usage[c.key] + (power if job.name in c.members else 0.0) for c in constraints}
+
+    admitted = [j for j in jobs if j.running]
+    for job in admitted:
+        usage = add(job)
+    if not _fits(usage, constraints):
+        return admitted, [j.name for j in jobs if not j.running], False
+    held = []
+    for job in (j for j in jobs if not j.running):
+        trial = add(job)
+        if _fits(trial, constraints):
+            usage = trial
+            admitted.append(job)
+        else:
+            held.append(job.name)
+    return admitted, held, True
+
+
+def _default_resolution(constraints: Sequence[_Constraint]) -> float:
+    """The step that shrinks no budget by more than `SHRINK` (n·δ ≤ SHRINK·L for each budget of n
+    jobs), but no finer than the largest budget in `MAX_CELLS` steps."""
+    if not constraints:
+        return 1.0  # no budget binds: any step finds the fastest points
+    finest = min(c.limit_w * SHRINK / len(c.members) for c in constraints)
+    return max(finest, max(c.limit_w for c in constraints) / MAX_CELLS)
+
+
+class _RoundingInfeasible(Exception):
+    """The budget fits the jobs' true powers but not their powers rounded up to the DP's steps."""
+
+
+class _Curve:
+    """Best value with at most g power steps (g = 0..cap) over the jobs and sub-budgets merged so far.
+
+    Each merge keeps the curve before it; backtracking recomputes the choice at the one g it needs
+    (cheaper than an argmax table for every g)."""
+
+    def __init__(self, cap: int) -> None:
+        self.best = np.zeros(cap + 1)
+        self.steps: list[tuple] = []
+
+    @property
+    def cap(self) -> int:
+        return len(self.best) - 1
+
+    def add_job(self, name: str, units: np.ndarray, values: np.ndarray) -> None:
+        new = np.full(self.cap + 1, -np.inf)
+        for u, v in zip(units, values, strict=True):
+            if u <= self.cap:
+                np.maximum(new[u:], self.best[:self.cap + 1 - u] + v, out=new[u:])
+        self.steps.append(("job", name, self.best, units, values))
+        self.best = new
+
+    def add_curve(self, child: _Curve) -> None:
+        new = np.full(self.cap + 1, -np.inf)
+        rises = _rises(child.best[:self.cap + 1])
+        for h in rises:
+            np.maximum(new[h:], self.best[:self.cap + 1 - h] + child.best[h], out=new[h:])
+        self.steps.append(("curve", child, self.best, rises))
+        self.best = new
+
+    def backtrack(self, g: int, out: dict[str, int]) -> None:
+        target = self.best[g]
+        for step in reversed(self.steps):
+            if step[0] == "job":
+                _, name, before, units, values = step
+                k = next(k for k, (u, v) in enumerate(zip(units, values, strict=True))
+                         if u <= g and before[g - u] + v >= target - _tolerance(target))
+                out[name] = k
+                g -= int(units[k])
+                target = before[g]
+            else:
+                _, child, before, rises = step
+                h = next(int(h) for h in rises
+                         if h <= g and before[g - h] + child.best[h] >= target - _tolerance(target))
+                child.backtrack(h, out)
+                g -= h
+                target = before[g]
+
+    def lowest_best(self) -> int:
+        """The smallest g reaching the best value (least power among the optima)."""
+        return int(np.flatnonzero(self.best >= self.best.max() - 1e-12)[0])
+
+
+def _rises(curve: np.ndarray) -> np.ndarray:
+    """Where a non-decreasing step curve rises: only there is using more power worth it."""
+    finite = np.isfinite(curve)
+    previous = np.concatenate(([-np.inf], np.maximum.accumulate(np.where(finite, curve, -np.inf))[:-1]))
+    return np.flatnonzero(finite & (curve > previous))
+
+
+def _tolerance(value: float) -> float:
+    return 1e-9 * max(1.0, abs(value))
+
+
+def _exact(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint], step_w: float, *,
+           round_up: bool) -> dict[str, PowerPoint]:
+    by_name = {j.name: j for j in jobs}
+    root = _tree(jobs, [_Constraint(c.key, c.limit_w, c.members & set(by_name), c.level) for c in constraints
+                        if c.members & set(by_name)])
+    options = {j.name: j.candidates() for j in jobs}
+
+    def units(job: PowerJob) -> np.ndarray:
+        scaled = np.array([p.power_w / step_w for p in options[job.name]])
+        return (np.ceil(scaled - 1e-9) if round_up else np.floor(scaled + 1e-9)).astype(np.int64)
+
+    def solve(node: _Constraint) -> _Curve:
+        curve = _Curve(math.floor(node.limit_w / step_w + 1e-9))
+        for name in node.jobs:
+            job = by_name[name]
+            curve.add_job(name, units(job), np.array([job.value(p) for p in options[name]]))
+        for child in node.children:
+            curve.add_curve(solve(child))
+        if not np.isfinite(curve.best[-1]):
+            raise _RoundingInfeasible(f"power budget {node.key} fits the jobs only by less than their powers "
+                                      f"rounded up to {step_w:g} W steps")
+        return curve
+
+    chosen: dict[str, int] = {}
+    if math.isfinite(root.limit_w):
+        curve = solve(root)
+        curve.backtrack(curve.lowest_best(), chosen)
+    else:  # no cluster budget: the sub-budgets are independent, unbudgeted jobs run flat out
+        for child in root.children:
+            curve = solve(child)
+            curve.backtrack(curve.lowest_best(), chosen)
+        for name in root.jobs:
+            job = by_name[name]
+            chosen[name] = max(range(len(options[name])), key=lambda k, job=job, name=name: (
+                job.value(options[name][k]), -options[name][k].power_w))
+    return {name: options[name][k] for name, k in chosen.items()}
+
+
+# -- greedy on the convex hulls ----------------------------------------------------------------
+
+
+def _hull(job: PowerJob) -> list[PowerPoint]:
+    """The upper concave hull of the candidates in (power, value), from the lowest power up."""
+    points = sorted(job.candidates(), key=lambda p: (p.power_w, -job.value(p)))
+    frontier: list[PowerPoint] = []
+    for p in points:  # keep points that add value for more power
+        if not frontier or job.value(p) > job.value(frontier[-1]) + 1e-15:
+            frontier.append(p)
+    hull: list[PowerPoint] = []
+    for p in frontier:
+        while len(hull) >= 2 and _slope(job, hull[-2], hull[-1]) <= _slope(job, hull[-1], p):
+            hull.pop()
+        hull.append(p)
+    return hull
+
+
+def _slope(job: PowerJob, a: PowerPoint, b: PowerPoint) -> float:
+    return (job.value(b) - job.value(a)) / max(b.power_w - a.power_w, 1e-12)
+
+
+def _greedy(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> dict[str, PowerPoint]:
+    hulls = {j.name: _hull(j) for j in jobs}
+    at = {j.name: 0 for j in jobs}
+    mine = {j.name: [c for c in constraints if j.name in c.members] for j in jobs}
+    usage = {c.key: sum(hulls[n][0].power_w for n in c.members if n in hulls) for c in constraints}
+    heap = [(-_slope(j, hulls[j.name][0], hulls[j.name][1]), i, j.name) for i, j in enumerate(jobs)
+            if len(hulls[j.name]) > 1]
+    heapq.heapify(heap)
+    index = {j.name: (i, j) for i, j in enumerate(jobs)}
+    while heap:
+        _, i, name = heapq.heappop(heap)
+        hull, k = hulls[name], at[name]
+        extra_w = hull[k + 1].power_w - hull[k].power_w
+        if not all(usage[c.key] + extra_w <= c.limit_w * (1 + _REL) + 1e-9 for c in mine[name]):
+            continue  # this job's later hull steps hang on this one: it stays here
+        for c in mine[name]:
+            usage[c.key] += extra_w
+        at[name] = k + 1
+        if k + 2 < len(hull):
+            heapq.heappush(heap, (-_slope(index[name][1], hull[k + 1], hull[k + 2]), i, name))
+    return {name: hulls[name][k] for name, k in at.items()}
+
+
+def _lp_value(jobs: Sequence[PowerJob], limit_w: float) -> float:
+    """The LP relaxation's optimum for `jobs` under one budget: fractional hull steps."""
+    hulls = [(_hull(j), j) for j in jobs]
+    value = sum(j.value(h[0]) for h, j in hulls)
+    room = limit_w - sum(h[0].power_w for h, _ in hulls)
+    steps = sorted(((j.value(h[k + 1]) - j.value(h[k]), h[k + 1].power_w - h[k].power_w)
+                    for h, j in hulls for k in range(len(h) - 1)), key=lambda s: -s[0] / max(s[1], 1e-12))
+    for gain, watts in steps:
+        if room <= 0:
+            break
+        take = min(1.0, room / watts) if watts > 0 else 1.0
+        value += take * gain
+        room -= take * watts
+    return value
+
+
+def _lp_bound(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> float:
+    """An upper bound on the optimum: per budget level (disjoint budgets), the LP of each budget plus
+    every job outside them at its best; the smallest over the levels."""
+    best = {j.name: max(j.value(p) for p in j.candidates()) for j in jobs}
+    bounds = [sum(best.values())]
+    for level in (0, 1, 2):
+        chosen = [c for c in constraints if c.level == level]
+        if not chosen:
+            continue
+        covered = set().union(*(c.members for c in chosen))
+        bound = sum(best[n] for n in best if n not in covered)
+        bound += sum(_lp_value([j for j in jobs if j.name in c.members], c.limit_w) for c in chosen)
+        bounds.append(bound)
+    return min(bounds)
+
+
+# -- results -----------------------------------------------------------------------------------
+
+
+def _result(jobs: Sequence[PowerJob], picks: Mapping[str, PowerPoint], held: Iterable[str],
+            constraints: Sequence[_Constraint], method: str, upper: float, step_w: float | None, *,
+            feasible: bool) -> Allocation:
+    held = tuple(held)
+    allotments = []
+    for job in jobs:
+        if job.name in held:
+            allotments.append(Allotment(job.name, None, None, None, 0.0, 0.0, held=True,
+                                        reason="held: the power budget cannot fit this job as well"))
+            continue
+        p = picks[job.name]
+        allotments.append(Allotment(job.name, p.row, p.time_s, p.energy_j, p.power_w, job.fastest_time_s / p.time_s,
+                                    meets_objective=job.meets_objective(p),
+                                    reason=f"allotted {p.power_w:.0f} W: frontier row {p.row}, "
+                                           f"{p.time_s:.4g} s/iteration"))
+    power = {a.name: a.power_w for a in allotments}
+    uses = tuple(BudgetUse(c.key, c.limit_w, sum(power[n] for n in c.members), tuple(sorted(c.members)))
+                 for c in constraints)
+    value = sum(j.value(picks[j.name]) for j in jobs if j.name in picks)
+    return Allocation(tuple(allotments), method, feasible, held, sum(power.values()), uses, value,
+                      max(upper, value), step_w)
+
+
+def _with_message(result: Allocation, message: str) -> Allocation:
+    return replace(result, message=message)
+
+
+def _summary_text(result: Allocation) -> str:
+    uses = ", ".join(f"{b.key} {b.used_w:.0f}/{b.limit_w:.0f} W" for b in result.budgets) or "no budget binds"
+    held = f"; held (budget too small for them too): {', '.join(result.held)}" if result.held else ""
+    return f"{len(result.allotments) - len(result.held)} job(s) allotted, {uses}{held}"
+
+
+def _infeasible_text(result: Allocation, held: Sequence[str]) -> str:
+    over = [b for b in result.budgets if b.used_w > b.limit_w * (1 + _REL)]
+    parts = ", ".join(f"{b.key} needs {b.used_w:.0f} W of {b.limit_w:.0f} W" for b in over)
+    text = (f"the power budget cannot be met: the running jobs at their lowest-power points that keep their "
+            f"deadlines need more ({parts}); they keep those points")
+    return text + (f"; new jobs held: {', '.join(held)}" if held else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The twin's comparison with a uniform per-GPU power limit
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """One job's iteration as the twin simulates it (all of its GPUs)."""
+
+    name: str
+    row: int
+    gpus: int
+    time_s: float
+    energy_j: float
+    fastest_time_s: float  # its fastest frontier point, unthrottled: normalised throughput = this / time_s
+
+    @property
+    def power_w(self) -> float:
+        return self.energy_j / self.time_s
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """Every job's run under one way of keeping the cluster within its power."""
+
+    jobs: tuple[JobRun, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        normalised = [j.fastest_time_s / j.time_s for j in self.jobs]
+        return {"iterations_per_s": sum(1.0 / j.time_s for j in self.jobs),
+                "normalised_throughput": sum(normalised),
+                "mean_normalised_throughput": sum(normalised) / len(normalised),
+                "power_w": sum(j.power_w for j in self.jobs),
+                "jobs": [{"name": j.name, "frontier_row": j.row, "gpus": j.gpus, "time_s": j.time_s,
+                          "energy_j": j.energy_j, "power_w": j.power_w, "normalised_throughput": n}
+                         for j, n in zip(self.jobs, normalised, strict=True)]}
+
+
+def compare_with_uniform_limit(plans: Sequence[tuple[str, Any]], budget_w: float, *,
+                               method: str = "exact") -> dict[str, Any]:
+    """For the same jobs (`(name, Plan)` each) and cluster budget: Kareus' allocation (each job at
+    its allotted frontier point) and a uniform per-GPU power limit of budget ÷ GPUs (each job at
+    its own objective's point, throttled by the simulated GPU's power controller), both run on the
+    twin. The limit is clamped to what each board accepts; below a board's minimum it is an error."""
+    from kareus.sim import Simulator, get_gpu
+    from kareus.sim.replica import power_limited, replica_iteration
+
+    if not budget_w > 0:
+        raise KareusError(f"--budget-w must be > 0, got {budget_w}")
+    if not plans:
+        raise KareusError("no jobs to compare")
+    jobs = [PowerJob.from_plan(name, plan) for name, plan in plans]
+    allocation = allocate(jobs, PowerBudget(cluster_w=budget_w), method=method)
+    gpus = sum(_gpus(plan) for _, plan in plans)
+    limit_w = budget_w / gpus
+
+    def run(name: str, plan: Any, row: int, gpu) -> JobRun:
+        replica = replica_iteration(Simulator(gpu), plan.job.workload(), _row_stages(plan, row))
+        per_stage = plan.job.tensor * plan.job.context * plan.job.data
+        return JobRun(name, row, _gpus(plan), replica.time_s, replica.energy_j(per_stage),
+                      min(r.time_s for r in plan.frontier.rows))
+
+    kareus = []
+    for name, plan in plans:
+        allotted = allocation.get(name)
+        if allotted.held:
+            raise KareusError(f"the budget cannot run job {name} at all ({allocation.message})")
+        kareus.append(run(name, plan, allotted.row, get_gpu(plan.job.gpu)))
+
+    def uniform(limit: float) -> PolicyRun:
+        runs = []
+        for name, plan in plans:
+            gpu = get_gpu(plan.job.gpu)
+            if limit < gpu.power_limit_min_w:
+                raise KareusError(f"{budget_w:.0f} W over {gpus} GPUs is {limit:.0f} W per GPU, below {gpu.name}'s "
+                                  f"minimum power limit of {gpu.power_limit_min_w:.0f} W")
+            runs.append(run(name, plan, plan.selected_row, power_limited(gpu, min(limit, gpu.power_limit_w))))
+        return PolicyRun(tuple(runs))
+
+    ours, theirs = PolicyRun(tuple(kareus)).to_dict(), uniform(limit_w).to_dict()
+    matched_w, matched = _limit_matching(uniform, ours["power_w"], limit_w, max(get_gpu(p.job.gpu).power_limit_w
+                                                                                 for _, p in plans))
+    return {"budget_w": budget_w, "gpus": gpus, "uniform_limit_w_per_gpu": limit_w,
+            "allocation": {"method": allocation.method, "feasible": allocation.feasible,
+                           "predicted_power_w": allocation.total_power_w, "gap": allocation.gap,
+                           "message": allocation.message},
+            "kareus": ours, "uniform_power_limit": theirs,
+            "throughput_ratio": ours["normalised_throughput"] / theirs["normalised_throughput"],
+            "iterations_ratio": ours["iterations_per_s"] / theirs["iterations_per_s"],
+            # A uniform limit leaves power unused where GPUs draw less than it (bubbles, memory-bound
+            # phases); raised until the cluster draws what Kareus' allocation draws:
+            "uniform_at_equal_power": {"limit_w_per_gpu": matched_w, **matched.to_dict()},
+            "throughput_ratio_at_equal_power": ours["normalised_throughput"]
+            / matched.to_dict()["normalised_throughput"]}
+
+
+def _limit_matching(uniform, power_w: float, low_w: float, high_w: float) -> tuple[float, PolicyRun]:
+    """The per-GPU limit (≥ `low_w`) at which the uniform runs draw `power_w` in all (bisection;
+    the board's limit if even that draws less)."""
+    best = (low_w, uniform(low_w))
+    if best[1].to_dict()["power_w"] >= power_w or low_w >= high_w:
+        return best
+    top = uniform(high_w)
+    if top.to_dict()["power_w"] <= power_w:
+        return high_w, top
+    for _ in range(20):
+        mid = 0.5 * (low_w + high_w)
+        trial = uniform(mid)
+        if trial.to_dict()["power_w"] <= power_w:
+            low_w, best = mid, (mid, trial)
+        else:
+            high_w = mid
+    return best
+
+
+def _gpus(plan: Any) -> int:
+    job = plan.job
+    return job.tensor * job.context * job.pipeline * job.data
+
+
+def _row_stages(plan: Any, row: int) -> list[tuple]:
+    return [stage.instructions for stage in plan.frontier.stages_for(row)]
