@@ -4,6 +4,13 @@
 embedded as data URIs, styles inline) so it can be mailed or attached to a ticket as one file. It
 shows the methods' iteration frontiers, a per-stage timeline of the chosen plan coloured by clock,
 the partition configurations the plan uses, and the training curve (loss and energy per step).
+
+With a Prometheus that scrapes Kareus (`kareus dev-cluster` runs one), `job_energy_series` reads a
+KareusJob's GPU power and energy over time from the node agents' series — the same series the
+dashboards and alerts use — and `energy_png` draws them; `kareus report --prometheus URL JOB`
+writes that as a page of its own (`render_job_report`), and `render_report(energy=...)` adds it to
+a run's report. Quantities are shown in the unit their magnitude calls for (794 mJ, not
+0.000794 kJ).
 """
 
 from __future__ import annotations
@@ -11,13 +18,57 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
+import math
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kareus.errors import KareusError
 from kareus.plan import Plan
 
 # Matplotlib is imported lazily: the core stays importable without a display or a font cache.
+
+# A colour bar narrower than this says nothing: one clock would read as a 1409–1411 MHz scale.
+MIN_CLOCK_SPAN_MHZ = 200.0
+_PREFIXES = ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "µ"))
+
+
+def scaled(value: float, unit: str) -> tuple[float, str]:
+    """`value` (in `unit`) rescaled by the SI prefix that puts it in [1, 1000):
+    0.794 J is 794 mJ (not 0.000794 kJ), 16380 J is 16.38 kJ."""
+    magnitude = abs(value)
+    for factor, prefix in _PREFIXES:
+        if magnitude >= factor:
+            return value / factor, prefix + unit
+    return (value / _PREFIXES[-1][0], _PREFIXES[-1][1] + unit) if magnitude else (0.0, unit)
+
+
+def quantity(value: float | None, unit: str) -> str:
+    """`value` (in the base unit) as text with the prefix its magnitude calls for, e.g. "794 mJ"."""
+    if value is None or not math.isfinite(value):
+        return "—"
+    number, label = scaled(value, unit)
+    return f"{number:.4g} {label}"
+
+
+def _axis_scale(values: Sequence[float], unit: str) -> tuple[float, str]:
+    """(divisor, prefixed unit) for plotting `values` on one axis, chosen by the largest of them."""
+    peak = max(values, key=abs, default=0.0)
+    number, label = scaled(peak, unit)
+    return (peak / number if number else 1.0), label
+
+
+def clock_range_mhz(clocks: Sequence[float]) -> tuple[float, float]:
+    """The colour scale for these clocks: their range, widened (centred) to `MIN_CLOCK_SPAN_MHZ`."""
+    low, high = min(clocks), max(clocks)
+    if high - low < MIN_CLOCK_SPAN_MHZ:
+        middle = (low + high) / 2
+        low, high = middle - MIN_CLOCK_SPAN_MHZ / 2, middle + MIN_CLOCK_SPAN_MHZ / 2
+    return low, high
 
 
 @dataclass(frozen=True)
@@ -98,7 +149,7 @@ def timeline_png(plan: Plan) -> bytes:
 
     bars = plan_timeline(plan)
     clocks = [b.clock_mhz for b in bars]
-    norm = Normalize(vmin=min(clocks) - 1, vmax=max(clocks) + 1)
+    norm = Normalize(*clock_range_mhz(clocks))
     cmap = colormaps["plasma"]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(plan.stages)))
     for bar in bars:
@@ -129,8 +180,10 @@ def training_png(records: Sequence[Mapping]) -> bytes:
     ax.set_xlabel("step")
     ax.set_ylabel("loss", color="tab:blue")
     energy_ax = ax.twinx()
-    energy_ax.plot(steps, [r["energy_j"] / 1e3 for r in records], color="tab:red", marker=".")
-    energy_ax.set_ylabel("energy per step (kJ)", color="tab:red")
+    energies_j = [r["energy_j"] for r in records]
+    factor, unit = _axis_scale(energies_j, "J")
+    energy_ax.plot(steps, [e / factor for e in energies_j], color="tab:red", marker=".")
+    energy_ax.set_ylabel(f"energy per step ({unit})", color="tab:red")
     ax.set_title("Training")
     fig.tight_layout()
     return _png(fig)
@@ -166,18 +219,19 @@ th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-widt
 
 
 def render_report(*, title: str, summary: Mapping, plan: Plan, frontier_png: bytes,
-                  train_records: Sequence[Mapping] = ()) -> str:
+                  train_records: Sequence[Mapping] = (), energy: JobEnergySeries | None = None) -> str:
     """The whole report page as one HTML string.
 
     `summary` is the `summary.json` document of `kareus run`: `methods` (per method the
-    max-throughput `time_s`/`energy_j`), `metrics` and `plan` (predicted and measured).
+    max-throughput `time_s`/`energy_j`), `metrics` and `plan` (predicted and measured). `energy`
+    (from `job_energy_series`) adds the measured power and energy over time.
     """
     metric_keys = ("max_throughput_time_reduction", "max_throughput_energy_reduction",
                    "iso_time_energy_reduction", "iso_energy_time_reduction")
-    method_rows = [(m.get("label", name), f"{m['time_s']:.4g}", f"{m['energy_j'] / 1e3:.4g}",
+    method_rows = [(m.get("label", name), quantity(m["time_s"], "s"), quantity(m["energy_j"], "J"),
                     *(_percent(m.get(key)) for key in metric_keys))
                    for name, m in summary.get("methods", {}).items()]
-    plan_rows = [(k, _fmt(v)) for k, v in summary.get("plan", {}).items()]
+    plan_rows = [(k, _fmt(v, k)) for k, v in summary.get("plan", {}).items()]
     sections = [
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="sub">profile {html.escape(plan.provenance.profile_key)} · objective '
@@ -188,7 +242,7 @@ def render_report(*, title: str, summary: Mapping, plan: Plan, frontier_png: byt
         '<p class="sub">Max-throughput iteration of each method (energy of all GPUs, static included) and '
         "reductions: max-throughput time and energy vs Megatron-LM, iso-time energy and iso-energy time vs "
         "Megatron+Perseus (positive = less; − = no plan meets the constraint).</p>",
-        _table(("method", "iteration time (s)", "iteration energy (kJ)", "time vs Megatron",
+        _table(("method", "iteration time", "iteration energy", "time vs Megatron",
                 "energy vs Megatron", "iso-time energy", "iso-energy time"), method_rows),
         "<h2>Chosen plan</h2>",
         _table(("quantity", "value"), plan_rows),
@@ -199,6 +253,12 @@ def render_report(*, title: str, summary: Mapping, plan: Plan, frontier_png: byt
     ]
     if train_records:
         sections += ["<h2>Training</h2>", _img(training_png(train_records), "training curve")]
+    if energy is not None:
+        sections += energy_section(energy)
+    return _page(title, sections)
+
+
+def _page(title: str, sections: Sequence[str]) -> str:
     body = "\n".join(sections)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
@@ -208,7 +268,127 @@ def _percent(value: float | None) -> str:
     return "−" if value is None else f"{100 * value:.1f} %"
 
 
-def _fmt(value: object) -> str:
+def _fmt(value: object, key: str = "") -> str:
+    """A summary value; a key ending in a unit (`_j`, `_s`, `_w`) says which prefix it needs."""
+    units = {"_j": "J", "_s": "s", "_w": "W"}
+    unit = next((u for suffix, u in units.items() if key.endswith(suffix)), None)
+    if isinstance(value, int | float) and not isinstance(value, bool) and unit:
+        return quantity(float(value), unit)
     if isinstance(value, float):
         return f"{value:.4g}"
     return "—" if value is None else str(value)
+
+
+# ---------------------------------------------------------------- power and energy from Prometheus
+
+
+@dataclass(frozen=True)
+class JobEnergySeries:
+    """A KareusJob's GPUs over time, as the node agents measured them (Prometheus range queries).
+
+    `time_s` are Unix times; `power_w` is the sum over the job's GPUs; `energy_j` the energy since
+    the first sample (the rise of every owned GPU's energy counter, summed); `gpus` how many GPUs
+    the job held.
+    """
+
+    namespace: str
+    job: str
+    prometheus: str
+    time_s: tuple[float, ...]
+    power_w: tuple[float, ...]
+    energy_j: tuple[float, ...]
+    gpus: int
+
+    @property
+    def total_energy_j(self) -> float:
+        return self.energy_j[-1] if self.energy_j else 0.0
+
+    @property
+    def duration_s(self) -> float:
+        return self.time_s[-1] - self.time_s[0] if self.time_s else 0.0
+
+
+def prometheus_query(url: str, path: str, **params: object) -> object:
+    """GET `<url>/api/v1/<path>`; the `data` of a success, a KareusError with Prometheus' message."""
+    query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/api/v1/{path}?{query}", timeout=30) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        body = json.loads(error.read() or b"{}")
+    except (OSError, ValueError) as error:
+        raise KareusError(f"cannot query Prometheus at {url}: {error}") from None
+    if body.get("status") != "success":
+        raise KareusError(f"Prometheus {path}: {body.get('error', 'no answer')}")
+    return body["data"]
+
+
+def job_energy_series(url: str, namespace: str, job: str, *, start_s: float, end_s: float,
+                      step_s: float = 2.0) -> JobEnergySeries:
+    """Power and energy of the job's GPUs between `start_s` and `end_s` (Unix times), trimmed to
+    when the job held GPUs; a KareusError when it held none then."""
+    owned = f'namespace="{namespace}",kareusjob="{job}"'
+
+    def matrix(expr: str) -> list[dict]:
+        return prometheus_query(url, "query_range", query=expr, start=start_s, end=end_s, step=step_s)["result"]
+
+    power = matrix(f"sum(kareus_gpu_power_watts{{{owned}}})")
+    counters = matrix(f"kareus_gpu_energy_joules_total{{{owned}}}")
+    if not power or not counters:
+        raise KareusError(f"Prometheus at {url} has no GPU series of KareusJob {namespace}/{job} between "
+                          f"{start_s:.0f} and {end_s:.0f}")
+    times = [float(t) for t, _ in power[0]["values"]]
+    # Each owned GPU's counter rises from its first sample; the job's energy at t is the sum of
+    # those rises up to t (a GPU not yet owned adds nothing).
+    rises: dict[float, float] = dict.fromkeys(times, 0.0)
+    for series in counters:
+        points = [(float(t), float(v)) for t, v in series["values"]]
+        first = points[0][1]
+        last_rise, i = 0.0, 0
+        for t in times:
+            while i < len(points) and points[i][0] <= t:
+                last_rise = points[i][1] - first
+                i += 1
+            rises[t] += last_rise
+    return JobEnergySeries(namespace, job, url, tuple(times), tuple(float(v) for _, v in power[0]["values"]),
+                           tuple(rises[t] for t in times), len({s["metric"].get("gpu_uuid") for s in counters}))
+
+
+def energy_png(series: JobEnergySeries) -> bytes:
+    """GPU power and cumulative energy of the job over time (seconds since its first sample)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = series.time_s[0]
+    elapsed = [t - t0 for t in series.time_s]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    ax.plot(elapsed, series.power_w, color="tab:orange")
+    ax.set_xlabel("time since the job first held a GPU (s)")
+    ax.set_ylabel(f"GPU power, {series.gpus} GPUs (W)", color="tab:orange")
+    ax.set_ylim(bottom=0)
+    energy_ax = ax.twinx()
+    factor, unit = _axis_scale(series.energy_j, "J")
+    energy_ax.plot(elapsed, [e / factor for e in series.energy_j], color="tab:red")
+    energy_ax.set_ylabel(f"energy ({unit})", color="tab:red")
+    energy_ax.set_ylim(bottom=0)
+    ax.set_title(f"{series.namespace}/{series.job}: measured by the node agents")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def energy_section(series: JobEnergySeries) -> list[str]:
+    mean_w = sum(series.power_w) / len(series.power_w) if series.power_w else None
+    rows = [("GPUs", series.gpus), ("time holding GPUs", quantity(series.duration_s, "s")),
+            ("energy", quantity(series.total_energy_j, "J")), ("mean power", quantity(mean_w, "W")),
+            ("source", f"{series.prometheus}: kareus_gpu_energy_joules_total, kareus_gpu_power_watts")]
+    return ["<h2>Power and energy over time</h2>", _table(("quantity", "value"), rows),
+            _img(energy_png(series), "power and energy over time")]
+
+
+def render_job_report(series: JobEnergySeries, *, title: str | None = None) -> str:
+    """A page of its own for a cluster job: its GPUs' power and energy over time."""
+    return _page(title or f"Kareus job: {series.namespace}/{series.job}", [
+        f"<h1>{html.escape(title or f'Kareus job: {series.namespace}/{series.job}')}</h1>",
+        *energy_section(series)])

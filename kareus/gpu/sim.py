@@ -10,6 +10,11 @@ looking energy deltas from the same interface the NVML backend offers.
 Locks can persist in a state directory (one JSON file per GPU, written atomically), so that a
 restarted process — the node daemon after SIGKILL — sees the GPU still locked until it resets it,
 as a real GPU would.
+
+With a device directory (`discover_sim(device_dir=...)`, `kareus.gpu.simdevice`) the GPU is
+instead one device shared by processes — the node agent and the pods allocated it — through a
+state file holding its counter and lock; its time is then the modelled time of the work accounted
+on it, and wall time adds no idle energy (see that module).
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ class SimulatedGPU(GPUDevice):
     """A GPU of a `GPUSpec` preset with an energy counter driven by wall time and accounted work."""
 
     def __init__(self, spec: GPUSpec | str, index: int = 0, *, node: str = "localhost", mig_enabled: bool = False,
-                 state_dir: str | os.PathLike[str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 state_dir: str | os.PathLike[str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 uuid: str | None = None) -> None:
         self.spec = get_gpu(spec) if isinstance(spec, str) else spec
         self.index = index
         self.name = f"NVIDIA {self.spec.name}"
         self.sm_count = self.spec.sms
-        self.uuid = sim_uuid(node, self.spec.name, index)
+        self.uuid = uuid or sim_uuid(node, self.spec.name, index)
         self.pci_bus_id = f"00000000:{0x07 + 0x10 * index:02X}:00.0"
         self._mig = mig_enabled
         self._clock = clock
@@ -150,8 +156,15 @@ class SimulatedGPU(GPUDevice):
 
 def discover_sim(count: int = 1, product: str = "A100-SXM4-40GB", *, node: str = "localhost",
                  mig_indices: tuple[int, ...] = (), state_dir: str | os.PathLike[str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> list[SimulatedGPU]:
-    """`count` simulated GPUs of `product` on `node`."""
+                 clock: Callable[[], float] = time.monotonic,
+                 device_dir: str | os.PathLike[str] | None = None) -> list[SimulatedGPU]:
+    """`count` simulated GPUs of `product` on `node`; with `device_dir` the node's shared devices
+    (`kareus.gpu.simdevice.SharedSimulatedGPU`, whose lock lives in the device, not `state_dir`)."""
     spec = get_gpu(product)
+    if device_dir is not None:
+        from kareus.gpu.simdevice import SharedSimulatedGPU  # imports this module
+
+        return [SharedSimulatedGPU(spec, index, device_dir=device_dir, node=node, mig_enabled=index in mig_indices,
+                                   clock=clock) for index in range(count)]
     return [SimulatedGPU(spec, index, node=node, mig_enabled=index in mig_indices, state_dir=state_dir, clock=clock)
             for index in range(count)]

@@ -1,5 +1,12 @@
 """The operator's Prometheus metrics: jobs per phase, time spent per phase, profile cache hits.
 
+Per job (`observe_status`, labelled `namespace` and `kareusjob`), what the chart's alerts read and
+no aggregate can say: the phase a job is in (`kareus_job_phase`, so "profiling for two hours" is one
+job's state, not a count that other jobs keep up), each status condition (`kareus_job_condition`:
+1 True, 0 False — ClockControlDegraded, BudgetExceeded, …) and the energy `status.measured` holds
+(`kareus_job_measured_energy_joules`, summed per namespace against its policy budget, as the
+operator's own admission check sums it).
+
 One `OperatorMetrics` object owns its own registry (no module-level collectors), so tests and a
 restarted operator never share counters. Phase durations are measured from the moment this operator
 process saw a job enter a phase; a restart starts the clock anew (a shorter, never a longer, sample).
@@ -8,6 +15,8 @@ process saw a job enter a phase; a restart starts the clock anew (a shorter, nev
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -30,6 +39,20 @@ class OperatorMetrics:
         self._phase: dict[str, tuple[str, float]] = {}  # uid -> (phase, monotonic time entered)
         for phase in PHASES:
             self.jobs.labels(phase=phase).set(0)
+            # Every phase's histogram exists from the start at zero, so the first job to leave a phase
+            # is an increase rate()/increase() can see (a series born at 1 shows none).
+            self.phase_seconds.labels(phase=phase)
+        job_labels = ["namespace", "kareusjob"]
+        self.job_phase = Gauge(metric_names.JOB_PHASE, "The phase a KareusJob is in (1)", [*job_labels, "phase"],
+                               registry=self.registry)
+        self.job_condition = Gauge(metric_names.JOB_CONDITION, "A KareusJob's status condition: 1 True, 0 False",
+                                   [*job_labels, "condition"], registry=self.registry)
+        self.job_energy = Gauge(metric_names.JOB_MEASURED_ENERGY_JOULES,
+                                "GPU energy a KareusJob has measured so far (status.measured.energyJoules)",
+                                job_labels, registry=self.registry)
+        # uid -> (labels, the phase and the conditions exported for it), so a change or `forget`
+        # removes exactly the series this job had.
+        self._exported: dict[str, tuple[tuple[str, str], str, frozenset[str]]] = {}
 
     def observe(self, uid: str, phase: str) -> None:
         """Record the job's current phase; a change closes the previous phase's duration."""
@@ -43,10 +66,38 @@ class OperatorMetrics:
         self.jobs.labels(phase=phase).inc()
         self._phase[uid] = (phase, now)
 
+    def observe_status(self, job: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+        """Export one job's phase, conditions and measured energy from the status just written."""
+        meta = job["metadata"]
+        uid, labels = meta["uid"], (meta["namespace"], meta["name"])
+        phase = str(status.get("phase") or "Pending")
+        conditions = {str(c["type"]): c.get("status") == "True" for c in status.get("conditions") or []
+                      if "type" in c}
+        previous = self._exported.get(uid)
+        if previous is not None:
+            _, old_phase, old_conditions = previous
+            if old_phase != phase:
+                self.job_phase.remove(*labels, old_phase)
+            for condition in old_conditions - set(conditions):
+                self.job_condition.remove(*labels, condition)
+        self.job_phase.labels(*labels, phase).set(1)
+        for condition, true in conditions.items():
+            self.job_condition.labels(*labels, condition).set(1 if true else 0)
+        energy_j = (status.get("measured") or {}).get("energyJoules")
+        self.job_energy.labels(*labels).set(float(energy_j or 0.0))
+        self._exported[uid] = (labels, phase, frozenset(conditions))
+
     def forget(self, uid: str) -> None:
         previous = self._phase.pop(uid, None)
         if previous is not None:
             self.jobs.labels(phase=previous[0]).dec()
+        exported = self._exported.pop(uid, None)
+        if exported is not None:  # a deleted job's series go with it (its energy leaves the namespace's sum)
+            labels, phase, conditions = exported
+            self.job_phase.remove(*labels, phase)
+            for condition in conditions:
+                self.job_condition.remove(*labels, condition)
+            self.job_energy.remove(*labels)
 
     def profile_cache_hit(self) -> None:
         self.cache_hits.inc()

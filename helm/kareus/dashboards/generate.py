@@ -1,14 +1,18 @@
-"""The Grafana dashboards Kareus ships, written as data and rendered to the JSON files beside this script.
+"""The Grafana dashboards Kareus ships, built with Grafana's own typed SDK and written beside this script.
 
 Three dashboards: **cluster energy** (GPU power, energy per namespace and per KareusJob, SM clocks,
 clock changes, node-agent refusals), **job view** (iteration time, energy per iteration, tokens per
 joule, predicted vs measured, the plan in use) and **operator health** (jobs per phase, phase
-durations, profile reuse). Every panel queries Prometheus through a `datasource` variable, so the
-dashboards work with whichever Prometheus a cluster has; every metric name comes from
-`kareus.metric_names` (a test re-checks the rendered PromQL against `all_metric_names()`).
+durations, profile reuse). Panels, variables and dashboards are built with `grafana-foundation-sdk`
+(Grafana's generated builders for its dashboard schema, Apache-2.0), so a field Grafana does not
+know fails here, not in a user's Grafana. Every panel queries Prometheus through a `datasource`
+variable, so the dashboards work with whichever Prometheus a cluster has; every metric name comes
+from `kareus.metric_names` (a test re-checks the rendered PromQL against `all_metric_names()`, and
+tests/test_dashboards_live.py runs every query against a real Prometheus after a real job).
 
 Run `python helm/kareus/dashboards/generate.py` after editing; a test fails when the JSON files and
-this script disagree.
+this script disagree. The chart ships the JSON (templates/dashboards-configmap.yaml), so neither
+Helm nor a cluster needs the SDK.
 """
 
 from __future__ import annotations
@@ -16,12 +20,18 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+
+from grafana_foundation_sdk.builders import bargauge, common, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as common_models
+from grafana_foundation_sdk.models import dashboard as models
+from grafana_foundation_sdk.models import prometheus as prometheus_models
 
 from kareus import metric_names as m
 
 HERE = Path(__file__).resolve().parent
-DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+DATASOURCE = models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 KWH_PER_J = "3.6e6"
 RATE = "[$__rate_interval]"
 GRID_W = 24
@@ -30,87 +40,89 @@ GRID_W = 24
 # ---------------------------------------------------------------- building blocks
 
 
-def target(expr: str, legend: str = "", ref: str = "A", *, instant: bool = False, table: bool = False) -> dict:
-    t: dict[str, Any] = {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend or "__auto", "refId": ref}
+def target(expr: str, legend: str = "", ref: str = "A", *, instant: bool = False,
+           table_format: bool = False) -> prometheus.Dataquery:
+    query = (prometheus.Dataquery().datasource(DATASOURCE).expr(expr).legend_format(legend or "__auto")
+             .ref_id(ref))
     if instant:
-        t["instant"], t["range"] = True, False
-    if table:
-        t["format"] = "table"
-    return t
+        query = query.instant()
+    if table_format:
+        query = query.format(prometheus_models.PromQueryFormat.TABLE)
+    return query
 
 
-def panel(kind: str, title: str, targets: list[dict], unit: str, w: int, h: int, description: str,
-          **options: Any) -> dict:
-    return {"type": kind, "title": title, "description": description, "datasource": DATASOURCE,
-            "targets": targets, "gridPos": {"w": w, "h": h},
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []}, "options": options}
+def _common(builder, title: str, targets: list[prometheus.Dataquery], unit: str, w: int, h: int,
+            description: str):
+    return (builder.title(title).description(description).datasource(DATASOURCE).targets(targets)
+            .unit(unit).span(w).height(h))
 
 
-def stat(title: str, expr: str, unit: str, description: str, w: int = 6) -> dict:
-    return panel("stat", title, [target(expr, instant=True)], unit, w, 4, description,
-                 reduceOptions={"calcs": ["lastNotNull"]}, colorMode="value")
+def stat_panel(title: str, expr: str, unit: str, description: str, w: int = 6) -> stat.Panel:
+    return (_common(stat.Panel(), title, [target(expr, instant=True)], unit, w, 4, description)
+            .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]))
+            .color_mode(common_models.BigValueColorMode.VALUE))
 
 
-def timeseries(title: str, targets: list[dict], unit: str, description: str, w: int = 12) -> dict:
-    return panel("timeseries", title, targets, unit, w, 8, description,
-                 legend={"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max"]},
-                 tooltip={"mode": "multi"})
+def timeseries_panel(title: str, targets: list[prometheus.Dataquery], unit: str, description: str,
+                     w: int = 12) -> timeseries.Panel:
+    return (_common(timeseries.Panel(), title, targets, unit, w, 8, description)
+            .legend(common.VizLegendOptions().display_mode(common_models.LegendDisplayMode.TABLE)
+                    .placement(common_models.LegendPlacement.BOTTOM).calcs(["mean", "max"]).show_legend(True))
+            .tooltip(common.VizTooltipOptions().mode(common_models.TooltipDisplayMode.MULTI)))
 
 
-def bars(title: str, expr: str, legend: str, unit: str, description: str, w: int = 12) -> dict:
-    return panel("bargauge", title, [target(expr, legend, instant=True)], unit, w, 8, description,
-                 orientation="horizontal", displayMode="basic",
-                 reduceOptions={"calcs": ["lastNotNull"], "values": False})
+def bars_panel(title: str, expr: str, legend: str, unit: str, description: str, w: int = 12) -> bargauge.Panel:
+    return (_common(bargauge.Panel(), title, [target(expr, legend, instant=True)], unit, w, 8, description)
+            .orientation(common_models.VizOrientation.HORIZONTAL)
+            .display_mode(common_models.BarGaugeDisplayMode.BASIC)
+            .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
 
 
-def table(title: str, targets: list[dict], description: str, w: int = GRID_W) -> dict:
-    tbl = panel("table", title, targets, "none", w, 7, description, showHeader=True)
-    tbl["transformations"] = [{"id": "merge", "options": {}},
-                              {"id": "organize", "options": {"excludeByName": {"Time": True, "__name__": True}}}]
-    return tbl
+def table_panel(title: str, targets: list[prometheus.Dataquery], description: str, w: int = GRID_W) -> table.Panel:
+    return (_common(table.Panel(), title, targets, "none", w, 7, description).show_header(True)
+            .with_transformation(models.DataTransformerConfig(id_val="merge", options={}))
+            .with_transformation(models.DataTransformerConfig(
+                id_val="organize", options={"excludeByName": {"Time": True, "__name__": True}})))
 
 
-def row(title: str) -> dict:
-    return {"type": "row", "title": title, "collapsed": False, "gridPos": {"w": GRID_W, "h": 1}, "panels": []}
+def query_variable(name: str, label: str, query: str) -> db.QueryVariable:
+    return (db.QueryVariable(name).label(label).datasource(DATASOURCE)
+            .query({"query": query, "refId": f"{name}-variable"})
+            .refresh(models.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(models.VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(".*"))
 
 
-def query_variable(name: str, label: str, query: str, *, multi: bool = True) -> dict:
-    return {"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
-            "query": {"query": query, "refId": f"{name}-variable"}, "definition": query,
-            "refresh": 2, "sort": 1, "multi": multi, "includeAll": multi,
-            "allValue": ".*" if multi else None, "current": {}, "hide": 0}
+def datasource_variable() -> db.DatasourceVariable:
+    return db.DatasourceVariable("datasource").label("Data source").type("prometheus")
 
 
-def datasource_variable() -> dict:
-    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-            "current": {}, "hide": 0, "refresh": 1, "regex": ""}
+Item = db.Row | stat.Panel | timeseries.Panel | bargauge.Panel | table.Panel
 
 
-def layout(panels: list[dict]) -> list[dict]:
-    """Give panels ids and flow them left to right, top to bottom on Grafana's 24-column grid."""
-    x = y = row_h = 0
-    for number, p in enumerate(panels, start=1):
-        w, h = p["gridPos"]["w"], p["gridPos"]["h"]
-        if x + w > GRID_W or p["type"] == "row":
-            x, y, row_h = 0, y + row_h, 0
-        p["id"] = number
-        p["gridPos"] = {"x": x, "y": y, "w": w, "h": h}
-        x, row_h = x + w, max(row_h, h)
-        if p["type"] == "row":
-            x, y, row_h = 0, y + h, 0
-    return panels
+def dashboard(uid: str, title: str, description: str, variables: list[db.QueryVariable],
+              items: list[Item]) -> dict:
+    """The dashboard as Grafana's JSON model (a dict). Rows and panels flow left to right, top to
+    bottom, as the SDK's builder places them on Grafana's 24-column grid."""
+    builder = (db.Dashboard(title).uid(uid).description(description).tags(["kareus", "energy", "gpu"])
+               .editable().tooltip(models.DashboardCursorSync.CROSSHAIR).refresh("30s").time("now-6h", "now")
+               .timezone("browser").fiscal_year_start_month(0).version(1)
+               .link(db.DashboardLink("Kareus dashboards").type(models.DashboardLinkType.DASHBOARDS)
+                     .tags(["kareus"]).as_dropdown(True))
+               .with_variable(datasource_variable()))
+    for variable in variables:
+        builder = builder.with_variable(variable)
+    for item in items:
+        builder = builder.with_row(item) if isinstance(item, db.Row) else builder.with_panel(item)
+    model = json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    # Ids in reading order, rows included: unique within the dashboard (Grafana keys panel links and
+    # state on them; the SDK leaves them unset).
+    for number, panel in enumerate(model["panels"], start=1):
+        panel["id"] = number
+    return model
 
 
-def dashboard(uid: str, title: str, description: str, variables: list[dict], panels: list[dict]) -> dict:
-    return {
-        "uid": uid, "title": title, "description": description, "tags": ["kareus", "energy", "gpu"],
-        "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1, "refresh": "30s",
-        "time": {"from": "now-6h", "to": "now"}, "timezone": "browser", "fiscalYearStartMonth": 0,
-        "annotations": {"list": []}, "links": [{"title": "Kareus dashboards", "type": "dashboards",
-                                                "tags": ["kareus"], "asDropdown": True}],
-        "templating": {"list": [datasource_variable(), *variables]},
-        "panels": layout(panels),
-    }
+def row(title: str) -> db.Row:
+    return db.Row(title)
 
 
 # ---------------------------------------------------------------- the dashboards
@@ -126,49 +138,51 @@ def cluster_energy() -> dict:
         [query_variable("node", "Node", f"label_values({m.GPU_POWER_WATTS}, node)")],
         [
             row("Power and energy"),
-            stat("GPU power now", f"sum({m.GPU_POWER_WATTS}{{{NODE}}})", "watt",
-                 "Power drawn by every GPU the node agents see."),
-            stat("GPU energy in range", f"sum(increase({m.GPU_ENERGY_JOULES_TOTAL}{{{NODE}}}[$__range])) / {KWH_PER_J}",
-                 "kwatth", "Energy of every GPU over the dashboard's time range."),
-            stat("Energy of KareusJobs in range",
-                 f"sum(increase({m.GPU_ENERGY_JOULES_TOTAL}{{{NODE},{owned}}}[$__range])) / {KWH_PER_J}",
-                 "kwatth", "Energy of GPUs while a KareusJob pod held them."),
-            stat("GPUs with a locked clock", f"count({m.GPU_LOCKED_CLOCK_HERTZ}{{{NODE}}} > 0)", "none",
-                 "GPUs whose SM clock a training pod has locked through the node agent."),
-            timeseries("GPU power per node", [target(f"sum by (node) ({m.GPU_POWER_WATTS}{{{NODE}}})", "{{node}}")],
-                       "watt", "Sum of GPU power per node."),
-            timeseries("GPU power per KareusJob",
-                       [target(f"sum by (namespace, kareusjob) ({m.GPU_POWER_WATTS}{{{NODE},{owned}}})",
-                               "{{namespace}}/{{kareusjob}}")],
-                       "watt", "Power of the GPUs each KareusJob holds."),
-            bars("Energy per namespace",
-                 f"sum by (namespace) (increase({m.GPU_ENERGY_JOULES_TOTAL}{{{NODE},namespace!=\"\"}}[$__range])) "
-                 f"/ {KWH_PER_J}", "{{namespace}}", "kwatth",
-                 "GPU energy per namespace over the time range; compare with policy.namespaceEnergyBudgets."),
-            bars("Energy per KareusJob",
-                 f"sum by (namespace, kareusjob) (increase({m.GPU_ENERGY_JOULES_TOTAL}{{{NODE},{owned}}}[$__range])) "
-                 f"/ {KWH_PER_J}", "{{namespace}}/{{kareusjob}}", "kwatth",
-                 "GPU energy per KareusJob over the time range."),
+            stat_panel("GPU power now", f"sum({m.GPU_POWER_WATTS}{{{NODE}}})", "watt",
+                       "Power drawn by every GPU the node agents see."),
+            stat_panel("GPU energy in range",
+                       f"sum(increase({m.GPU_ENERGY_JOULES_TOTAL}{{{NODE}}}[$__range])) / {KWH_PER_J}",
+                       "kwatth", "Energy of every GPU over the dashboard's time range."),
+            stat_panel("Energy of KareusJobs in range",
+                       f"sum(increase({m.GPU_ENERGY_JOULES_TOTAL}{{{NODE},{owned}}}[$__range])) / {KWH_PER_J}",
+                       "kwatth", "Energy of GPUs while a KareusJob pod held them."),
+            stat_panel("GPUs with a locked clock", f"count({m.GPU_LOCKED_CLOCK_HERTZ}{{{NODE}}} > 0)", "none",
+                       "GPUs whose SM clock a training pod has locked through the node agent."),
+            timeseries_panel("GPU power per node",
+                             [target(f"sum by (node) ({m.GPU_POWER_WATTS}{{{NODE}}})", "{{node}}")],
+                             "watt", "Sum of GPU power per node."),
+            timeseries_panel("GPU power per KareusJob",
+                             [target(f"sum by (namespace, kareusjob) ({m.GPU_POWER_WATTS}{{{NODE},{owned}}})",
+                                     "{{namespace}}/{{kareusjob}}")],
+                             "watt", "Power of the GPUs each KareusJob holds."),
+            bars_panel("Energy per namespace",
+                       f"sum by (namespace) (increase({m.GPU_ENERGY_JOULES_TOTAL}{{{NODE},namespace!=\"\"}}"
+                       f"[$__range])) / {KWH_PER_J}", "{{namespace}}", "kwatth",
+                       "GPU energy per namespace over the time range; compare with policy.namespaceEnergyBudgets."),
+            bars_panel("Energy per KareusJob",
+                       f"sum by (namespace, kareusjob) (increase({m.GPU_ENERGY_JOULES_TOTAL}{{{NODE},{owned}}}"
+                       f"[$__range])) / {KWH_PER_J}", "{{namespace}}/{{kareusjob}}", "kwatth",
+                       "GPU energy per KareusJob over the time range."),
             row("Clocks"),
-            timeseries("SM clock per GPU",
-                       [target(f"{m.GPU_SM_CLOCK_HERTZ}{{{NODE}}}", "{{node}} {{gpu_uuid}}", "A"),
-                        target(f"{m.GPU_LOCKED_CLOCK_HERTZ}{{{NODE}}} > 0", "locked {{node}} {{gpu_uuid}}", "B")],
-                       "hertz", "Measured SM clock and, where set, the locked clock the plan asked for."),
-            timeseries("Clock changes",
-                       [target(f"sum by (node) (rate({m.GPU_CLOCK_CHANGES_TOTAL}{{{NODE}}}{RATE}))", "{{node}}")],
-                       "ops", "Clock locks and resets applied per second (a plan switches per instruction)."),
+            timeseries_panel("SM clock per GPU",
+                             [target(f"{m.GPU_SM_CLOCK_HERTZ}{{{NODE}}}", "{{node}} {{gpu_uuid}}", "A"),
+                              target(f"{m.GPU_LOCKED_CLOCK_HERTZ}{{{NODE}}} > 0", "locked {{node}} {{gpu_uuid}}", "B")],
+                             "hertz", "Measured SM clock and, where set, the locked clock the plan asked for."),
+            timeseries_panel("Clock changes",
+                             [target(f"sum by (node) (rate({m.GPU_CLOCK_CHANGES_TOTAL}{{{NODE}}}{RATE}))", "{{node}}")],
+                             "ops", "Clock locks and resets applied per second (a plan switches per instruction)."),
             row("Node agents"),
-            timeseries("Refused clock requests",
-                       [target(f'sum by (node, result) (rate({m.DAEMON_REQUESTS_TOTAL}{{{NODE},result!="ok"}}{RATE}))',
-                               "{{node}} {{result}}")],
-                       "reqps", "Requests the node agent refused or failed (another pod's GPU, outside the "
-                                "clock bounds, shared or MIG GPU, dry run)."),
-            timeseries("Node agent request latency",
-                       [target(f"histogram_quantile(0.5, sum by (le) (rate({m.DAEMON_REQUEST_SECONDS}_bucket{{{NODE}}}"
-                               f"{RATE})))", "p50", "A"),
-                        target(f"histogram_quantile(0.99, sum by (le) (rate({m.DAEMON_REQUEST_SECONDS}_bucket{{{NODE}}}"
-                               f"{RATE})))", "p99", "B")],
-                       "s", "Time the node agent takes to answer a request."),
+            timeseries_panel("Refused clock requests",
+                             [target(f'sum by (node, result) (rate({m.DAEMON_REQUESTS_TOTAL}{{{NODE},result!="ok"}}'
+                                     f"{RATE}))", "{{node}} {{result}}")],
+                             "reqps", "Requests the node agent refused or failed (another pod's GPU, outside the "
+                                      "clock bounds, shared or MIG GPU, dry run)."),
+            timeseries_panel("Node agent request latency",
+                             [target(f"histogram_quantile(0.5, sum by (le) (rate({m.DAEMON_REQUEST_SECONDS}_bucket"
+                                     f"{{{NODE}}}{RATE})))", "p50", "A"),
+                              target(f"histogram_quantile(0.99, sum by (le) (rate({m.DAEMON_REQUEST_SECONDS}_bucket"
+                                     f"{{{NODE}}}{RATE})))", "p99", "B")],
+                             "s", "Time the node agent takes to answer a request."),
         ],
     )
 
@@ -187,38 +201,38 @@ def job_view() -> dict:
          query_variable("kareusjob", "KareusJob", f'label_values({m.PLAN_INFO}{{namespace=~"$namespace"}}, kareusjob)')],
         [
             row("Training"),
-            stat("Iteration time", iteration_s, "s", "Wall time of the last iteration (slowest rank)."),
-            stat("Energy per iteration", iteration_j, "joule",
-                 "Energy of the last iteration, all GPUs of the job together."),
-            stat("Tokens per joule", f"max by ({per_job}) ({m.TOKENS_PER_JOULE}{{{job}}})", "none",
-                 "Training tokens per joule of GPU energy."),
-            stat("Job GPU power", f"sum({m.GPU_POWER_WATTS}{{{job}}})", "watt",
-                 "Power of the job's GPUs, measured by the node agents."),
-            timeseries("Iteration time", [target(iteration_s, "{{namespace}}/{{kareusjob}}")],
-                       "s", "Wall time of each iteration (slowest rank)."),
-            timeseries("Energy per iteration",
-                       [target(iteration_j, "reported {{kareusjob}}", "A"),
-                        target(f"sum by ({per_job}) (rate({m.GPU_ENERGY_JOULES_TOTAL}{{{job}}}{RATE})) * {iteration_s}",
-                               "node agents {{kareusjob}}", "B")],
-                       "joule", "Energy per iteration as the workers report it and as the node agents measure "
-                                "it (job GPU power × iteration time); they should agree."),
-            timeseries("Tokens per joule", [target(f"max by ({per_job}) ({m.TOKENS_PER_JOULE}{{{job}}})",
-                                                   "{{namespace}}/{{kareusjob}}")],
-                       "none", "Higher is better."),
-            timeseries("Energy per iteration per GPU",
-                       [target(f'{m.ITERATION_ENERGY_JOULES}{{{job},scope="gpu"}}', "rank {{rank}} stage {{stage}}")],
-                       "joule", "Each rank's own GPU: pipeline stages off the critical path run at lower clocks."),
-            timeseries("SM clocks of the job's GPUs",
-                       [target(f"{m.GPU_SM_CLOCK_HERTZ}{{{job}}}", "{{node}} {{gpu_uuid}}")],
-                       "hertz", "The clocks the plan switches between, per instruction.", w=GRID_W),
+            stat_panel("Iteration time", iteration_s, "s", "Wall time of the last iteration (slowest rank)."),
+            stat_panel("Energy per iteration", iteration_j, "joule",
+                       "Energy of the last iteration, all GPUs of the job together."),
+            stat_panel("Tokens per joule", f"max by ({per_job}) ({m.TOKENS_PER_JOULE}{{{job}}})", "none",
+                       "Training tokens per joule of GPU energy."),
+            stat_panel("Job GPU power", f"sum({m.GPU_POWER_WATTS}{{{job}}})", "watt",
+                       "Power of the job's GPUs, measured by the node agents."),
+            timeseries_panel("Iteration time", [target(iteration_s, "{{namespace}}/{{kareusjob}}")],
+                             "s", "Wall time of each iteration (slowest rank)."),
+            timeseries_panel("Energy per iteration",
+                             [target(iteration_j, "reported {{kareusjob}}", "A"),
+                              target(f"sum by ({per_job}) (rate({m.GPU_ENERGY_JOULES_TOTAL}{{{job}}}{RATE})) * "
+                                     f"{iteration_s}", "node agents {{kareusjob}}", "B")],
+                             "joule", "Energy per iteration as the workers report it and as the node agents "
+                                      "measure it (job GPU power × iteration time); they should agree."),
+            timeseries_panel("Tokens per joule", [target(f"max by ({per_job}) ({m.TOKENS_PER_JOULE}{{{job}}})",
+                                                         "{{namespace}}/{{kareusjob}}")],
+                             "none", "Higher is better."),
+            timeseries_panel("Energy per iteration per GPU",
+                             [target(f'{m.ITERATION_ENERGY_JOULES}{{{job},scope="gpu"}}', "rank {{rank}} stage {{stage}}")],
+                             "joule", "Each rank's own GPU: pipeline stages off the critical path run at lower clocks."),
+            timeseries_panel("SM clocks of the job's GPUs",
+                             [target(f"{m.GPU_SM_CLOCK_HERTZ}{{{job}}}", "{{node}} {{gpu_uuid}}")],
+                             "hertz", "The clocks the plan switches between, per instruction.", w=GRID_W),
             row("Plan"),
-            table("Plan in use: predicted vs measured",
-                  [target(f'{m.PLAN_INFO}{{{job},rank="0"}}', ref="A", instant=True, table=True),
-                   target(iteration_s, ref="B", instant=True, table=True),
-                   target(iteration_j, ref="C", instant=True, table=True)],
-                  "The plan each job runs (the labels of kareus_plan_info: schedule mode, objective and the "
-                  "plan's predicted iteration time and energy) beside the measured last iteration "
-                  "(Value #B: seconds, Value #C: joules)."),
+            table_panel("Plan in use: predicted vs measured",
+                        [target(f'{m.PLAN_INFO}{{{job},rank="0"}}', ref="A", instant=True, table_format=True),
+                         target(iteration_s, ref="B", instant=True, table_format=True),
+                         target(iteration_j, ref="C", instant=True, table_format=True)],
+                        "The plan each job runs (the labels of kareus_plan_info: schedule mode, objective and the "
+                        "plan's predicted iteration time and energy) beside the measured last iteration "
+                        "(Value #B: seconds, Value #C: joules)."),
         ],
     )
 
@@ -230,24 +244,24 @@ def operator_health() -> dict:
         [],
         [
             row("Jobs"),
-            stat("Running jobs", f'sum({m.JOBS}{{phase="Running"}})', "none", "KareusJobs training now."),
-            stat("Failed jobs", f'sum({m.JOBS}{{phase="Failed"}})', "none", "KareusJobs in phase Failed."),
-            stat("Profiles reused in range", f"sum(increase({m.PROFILE_CACHE_HITS_TOTAL}[$__range]))", "none",
-                 "Jobs that skipped profiling because a stored profile matched."),
-            stat("Jobs profiling or optimizing", f'sum({m.JOBS}{{phase=~"Profiling|Optimizing"}})', "none",
-                 "KareusJobs before training."),
-            timeseries("Jobs per phase", [target(f"sum by (phase) ({m.JOBS})", "{{phase}}")], "none",
-                       "KareusJobs in each phase.", w=GRID_W),
+            stat_panel("Training jobs", f'sum({m.JOBS}{{phase="Training"}})', "none", "KareusJobs training now."),
+            stat_panel("Failed jobs", f'sum({m.JOBS}{{phase="Failed"}})', "none", "KareusJobs in phase Failed."),
+            stat_panel("Profiles reused in range", f"sum(increase({m.PROFILE_CACHE_HITS_TOTAL}[$__range]))", "none",
+                       "Jobs that skipped profiling because a stored profile matched."),
+            stat_panel("Jobs profiling or optimizing", f'sum({m.JOBS}{{phase=~"Profiling|Optimizing"}})', "none",
+                       "KareusJobs before training."),
+            timeseries_panel("Jobs per phase", [target(f"sum by (phase) ({m.JOBS})", "{{phase}}")], "none",
+                             "KareusJobs in each phase.", w=GRID_W),
             row("Phases"),
-            timeseries("Phase duration p50",
-                       [target(f"histogram_quantile(0.5, sum by (le, phase) (rate({m.PHASE_SECONDS}_bucket{RATE})))",
-                               "{{phase}}")], "s", "Median time a job spends in each phase."),
-            timeseries("Phase duration p90",
-                       [target(f"histogram_quantile(0.9, sum by (le, phase) (rate({m.PHASE_SECONDS}_bucket{RATE})))",
-                               "{{phase}}")], "s", "90th percentile time a job spends in each phase."),
-            timeseries("Profile cache hits",
-                       [target(f"sum(rate({m.PROFILE_CACHE_HITS_TOTAL}{RATE}))", "hits")], "ops",
-                       "Profiles reused per second.", w=GRID_W),
+            timeseries_panel("Phase duration p50",
+                             [target(f"histogram_quantile(0.5, sum by (le, phase) (rate({m.PHASE_SECONDS}_bucket{RATE})))",
+                                     "{{phase}}")], "s", "Median time a job spends in each phase."),
+            timeseries_panel("Phase duration p90",
+                             [target(f"histogram_quantile(0.9, sum by (le, phase) (rate({m.PHASE_SECONDS}_bucket{RATE})))",
+                                     "{{phase}}")], "s", "90th percentile time a job spends in each phase."),
+            timeseries_panel("Profile cache hits",
+                             [target(f"sum(rate({m.PROFILE_CACHE_HITS_TOTAL}{RATE}))", "hits")], "ops",
+                             "Profiles reused per second.", w=GRID_W),
         ],
     )
 
