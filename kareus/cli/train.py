@@ -6,8 +6,9 @@ itself (one GPU each when enough are visible, else CPU with gloo); with NNODES/N
 MASTER_PORT in the environment (as the operator's training pods have) the nodes rendezvous at the
 master like torchrun's. Rank 0 writes `OUT/train.jsonl` and prints a summary. The plan file is
 watched: when it changes (the operator re-selected a plan), all ranks switch at the next step
-boundary; an invalid new plan is logged and ignored. The daemon socket and the metrics port also come from the environment
-(`KAREUS_DAEMON_SOCKET`, `KAREUS_METRICS_PORT`, `KAREUS_METRICS_ADDR`), so a pod spec sets them
+boundary; an invalid new plan is logged and ignored. The node daemon's address (or socket) and the
+metrics port also come from the environment (`KAREUS_DAEMON_ADDRESS` with `KAREUS_DAEMON_TOKEN_FILE`,
+or `KAREUS_DAEMON_SOCKET`; `KAREUS_METRICS_PORT`, `KAREUS_METRICS_ADDR`), so a pod spec sets them
 once for every rank.
 """
 
@@ -39,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="'sequential' keeps the plan's clocks but runs every microbatch un-nanobatched")
     parser.add_argument("--daemon-socket", default=os.environ.get("KAREUS_DAEMON_SOCKET"),
                         help="node daemon socket for clock requests (env KAREUS_DAEMON_SOCKET; none: no clock control)")
+    parser.add_argument("--daemon-address", metavar="HOST:PORT", default=os.environ.get("KAREUS_DAEMON_ADDRESS"),
+                        help="node daemon TCP address for clock requests, authenticated with the token in "
+                             "KAREUS_DAEMON_TOKEN_FILE (env KAREUS_DAEMON_ADDRESS; wins over --daemon-socket)")
     parser.add_argument("--metrics-port", type=int, default=_env_int("KAREUS_METRICS_PORT"),
                         help="Prometheus port of local rank 0, +1 per local rank; 0 picks free ports "
                              "(env KAREUS_METRICS_PORT; default: no endpoint)")
@@ -68,6 +72,7 @@ def _env_int(name: str) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kareus.daemon_client import daemon_endpoint
     from kareus.runtime import train
     from kareus.runtime.reload import read_plan
     from kareus.runtime.trainer import log_to_stderr
@@ -78,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     job = load_job(args.job)
     plan, digest = read_plan(args.plan) if args.plan else (None, None)
     overrides = {"seed": args.seed, "data_path": args.data, "out_dir": args.out, "lr": args.lr,
-                 "optimizer": args.optimizer, "daemon_socket": args.daemon_socket,
+                 "optimizer": args.optimizer,
+                 # the endpoint: a socket path or tcp://HOST:PORT (kareus.daemon_client connects to either)
+                 "daemon_socket": daemon_endpoint(args.daemon_socket, args.daemon_address),
                  "metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr, "device": args.device,
                  "dtype": args.dtype, "comm_standin": args.comm_standin,
                  "job_name": job.name, "plan_path": args.plan, "plan_digest": digest}

@@ -1,9 +1,12 @@
-"""The runtime's side of the node daemon: ask `kareus-node` for GPU clocks over a Unix socket.
+"""The runtime's side of the node daemon: ask `kareus-node` for GPU clocks.
 
-`connect(socket_path, gpu_uuids)` is all a training process needs: it returns a `ClockClient`
-whose `request_clock(clock_mhz, instruction=…)` never blocks and never raises. Without a socket
-path it returns a `NullClockClient`; when the daemon is missing or refuses the GPUs, the client
-is a *degraded* `NullClockClient` that says why (training goes on at default clocks).
+`connect(endpoint, gpu_uuids)` is all a training process needs: it returns a `ClockClient`
+whose `request_clock(clock_mhz, instruction=…)` never blocks and never raises. The endpoint is a
+Unix socket path or ``tcp://HOST:PORT`` (authenticated with the pod's projected ServiceAccount
+token; `daemon_endpoint` and `endpoint_from_env` build it from `--daemon-socket`/`--daemon-address`
+or `KAREUS_DAEMON_SOCKET`/`KAREUS_DAEMON_ADDRESS`). Without an endpoint it returns a
+`NullClockClient`; when the daemon is missing or refuses the GPUs, the client is a *degraded*
+`NullClockClient` that says why (training goes on at default clocks).
 
 `DaemonConnection` is the lower-level, blocking request/answer API (discover, lock, reset, read,
 schedule, next, status) used by `kareus clock` and the tests. The wire format is in `protocol`.
@@ -21,7 +24,14 @@ from kareus.daemon_client.clients import (
     NullClockClient,
     RecordingClockClient,
 )
-from kareus.daemon_client.connection import DaemonConnection, DaemonError, GPUInfo, GPUReading
+from kareus.daemon_client.connection import (
+    DaemonConnection,
+    DaemonError,
+    GPUInfo,
+    GPUReading,
+    daemon_endpoint,
+    endpoint_from_env,
+)
 
 __all__ = [
     "ClockClient",
@@ -34,6 +44,8 @@ __all__ = [
     "NullClockClient",
     "RecordingClockClient",
     "connect",
+    "daemon_endpoint",
+    "endpoint_from_env",
 ]
 
 log = logging.getLogger("kareus.daemon_client")
@@ -46,16 +58,19 @@ def connect(
     job: str | None = None,
     required: bool = False,
     timeout_s: float = 5.0,
+    token_file: str | None = None,
 ) -> ClockClient:
     """A clock client for `gpu_uuids` (default: every GPU the daemon lets this process control).
 
+    `socket_path` is the daemon's endpoint: a Unix socket path or ``tcp://HOST:PORT`` (then
+    `token_file`, default `$KAREUS_DAEMON_TOKEN_FILE`, holds the token to authenticate with).
     With ``required=True`` a missing daemon or a refused GPU raises `DaemonError` instead of
     returning a degraded client.
     """
     if not socket_path:
         return NullClockClient()
     try:
-        connection = DaemonConnection(socket_path, timeout_s=timeout_s, job=job)
+        connection = DaemonConnection(socket_path, timeout_s=timeout_s, job=job, token_file=token_file)
     except DaemonError as error:
         return _degraded(str(error), required, error)
     try:

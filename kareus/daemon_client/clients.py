@@ -218,9 +218,14 @@ class DaemonClockClient(ClockClient):
     def _send(self, op: str, **fields: object) -> None:
         if self._reason or self._closed:
             return
-        with self._acked:
-            self._outstanding += 1
         try:
+            # Over TCP the kubelet rotates the pod's token; a connection that lives for days must
+            # hand the daemon the current one before the old one stops validating.
+            with self._acked:
+                self._outstanding += 1
+            if self._connection.refresh_token():
+                with self._acked:
+                    self._outstanding += 1  # the hello is answered like any request
             self._connection.send(op, **fields)
         except DaemonError as error:
             self._degrade(str(error))

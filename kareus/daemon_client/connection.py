@@ -1,4 +1,15 @@
-"""`DaemonConnection`: one Unix-socket connection to the node daemon, one method per request.
+"""`DaemonConnection`: one connection to the node daemon, one method per request.
+
+The daemon is reached at an *endpoint*: a Unix socket path (`/run/kareus/node.sock`, the hostPath
+a privileged or standalone setup mounts) or ``tcp://HOST:PORT`` (the node's address, what pods
+admitted under Pod Security `restricted` use). Over TCP the first frame is a ``hello`` carrying
+the pod's projected ServiceAccount token (audience ``kareus-node``), read from the token file at
+every connect — and re-sent by `refresh_token` when the kubelet has rotated it — since the daemon
+cannot ask the kernel who is calling. The TCP hop is plaintext (docs/node-daemon.md says why and
+what that exposes).
+
+Environment (what the operator's pod specs set): `KAREUS_DAEMON_ADDRESS` (``HOST:PORT``, wins),
+`KAREUS_DAEMON_SOCKET`, `KAREUS_DAEMON_TOKEN_FILE` (default `/var/run/secrets/kareus.dev/node/token`).
 
 Every method is a round trip: it sends one frame and returns the daemon's answer (or raises
 `DaemonError` carrying the daemon's error code). Clock changes are *accepted* by the daemon before
@@ -13,14 +24,48 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kareus.daemon_client import protocol
 from kareus.errors import KareusError
+
+ENV_ADDRESS = "KAREUS_DAEMON_ADDRESS"
+ENV_SOCKET = "KAREUS_DAEMON_SOCKET"
+ENV_TOKEN_FILE = "KAREUS_DAEMON_TOKEN_FILE"
+DEFAULT_TOKEN_FILE = "/var/run/secrets/kareus.dev/node/token"
+TCP_PREFIX = "tcp://"
+TOKEN_RECHECK_S = 30.0  # how often a long-lived connection looks whether the kubelet rotated the token
+
+
+def daemon_endpoint(socket_path: str | None = None, address: str | None = None) -> str | None:
+    """The endpoint for a `--daemon-socket`/`--daemon-address` pair: the address (``tcp://HOST:PORT``)
+    when given, else the socket path, else None (no clock control)."""
+    if address:
+        return address if address.startswith(TCP_PREFIX) else TCP_PREFIX + address
+    return socket_path or None
+
+
+def endpoint_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """The endpoint the environment names (`KAREUS_DAEMON_ADDRESS` wins over `KAREUS_DAEMON_SOCKET`)."""
+    env = os.environ if env is None else env
+    return daemon_endpoint(env.get(ENV_SOCKET), env.get(ENV_ADDRESS))
+
+
+def parse_address(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) of a ``tcp://HOST:PORT`` endpoint (``[v6]:PORT`` too); None for a socket path."""
+    if not endpoint.startswith(TCP_PREFIX):
+        return None
+    host, sep, port = endpoint[len(TCP_PREFIX):].rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdecimal() or not 0 < int(port) <= 65535:
+        raise DaemonError("invalid", f"daemon address {endpoint[len(TCP_PREFIX):]!r} is not HOST:PORT")
+    return host, int(port)
 
 
 class DaemonError(KareusError):
@@ -92,21 +137,73 @@ def _recv_exact(sock: socket.socket, count: int) -> bytes:
 
 
 class DaemonConnection:
-    """A connection to `kareus-node` on `socket_path`."""
+    """A connection to `kareus-node` at `endpoint`: a Unix socket path or ``tcp://HOST:PORT``.
 
-    def __init__(self, socket_path: str, *, timeout_s: float = 5.0, job: str | None = None) -> None:
-        self.socket_path = socket_path
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout_s)
+    Over TCP, `token_file` (default `$KAREUS_DAEMON_TOKEN_FILE`, else the standard mount path) is
+    read now and sent in the ``hello``."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 5.0, job: str | None = None,
+                 token_file: str | None = None) -> None:
+        self.socket_path = endpoint  # the endpoint, whatever kind (the name predates TCP)
+        self.endpoint = endpoint
+        address = parse_address(endpoint)
+        self.token_file = (token_file or os.environ.get(ENV_TOKEN_FILE) or DEFAULT_TOKEN_FILE) if address else None
+        self._token = self._read_token() if address else ""
+        self._token_checked_at = time.monotonic()
         try:
-            self._sock.connect(socket_path)
+            self._sock = self._open(address, timeout_s)
         except OSError as error:
-            self._sock.close()
-            raise DaemonError(protocol.E_UNAVAILABLE, f"cannot connect to {socket_path}: {error.strerror or error}") from None
+            what = error.strerror or error
+            raise DaemonError(protocol.E_UNAVAILABLE, f"cannot connect to {self._shown()}: {what}") from None
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
-        if job:
+        if address:  # the daemon answers nothing else before this
+            self.call("hello", job=job or "", token=self._token)
+        elif job:
             self.call("hello", job=job)
+
+    def _open(self, address: tuple[str, int] | None, timeout_s: float) -> socket.socket:
+        if address is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(self.endpoint)
+            except OSError:
+                sock.close()
+                raise
+            return sock
+        sock = socket.create_connection(address, timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # one small frame per clock change
+        return sock
+
+    def _shown(self) -> str:
+        return self.endpoint.removeprefix(TCP_PREFIX)
+
+    def _read_token(self) -> str:
+        """The token file's content now (the kubelet rotates it); "" when unreadable — the daemon
+        then answers with its refusal, which says what is missing."""
+        try:
+            with open(self.token_file or "", encoding="utf-8") as handle:
+                return handle.read().strip()
+        except OSError:
+            return ""
+
+    def refresh_token(self, *, force: bool = False) -> bool:
+        """Over TCP: when the token file changed since it was last sent (looked at most every
+        TOKEN_RECHECK_S unless `force`), send a ``hello`` with the new token without waiting for
+        the answer, so a connection outlives its first token. True when one was sent."""
+        if self.token_file is None:
+            return False
+        now = time.monotonic()
+        if not force and now - self._token_checked_at < TOKEN_RECHECK_S:
+            return False
+        self._token_checked_at = now
+        token = self._read_token()
+        if not token or token == self._token:
+            return False
+        self._token = token
+        self.send("hello", token=token)
+        return True
 
     # -- framing -------------------------------------------------------------------------------
     def send(self, op: str, **fields: Any) -> int:
@@ -117,7 +214,7 @@ class DaemonConnection:
             try:
                 self._sock.sendall(frame)
             except OSError as error:
-                raise DaemonError(protocol.E_UNAVAILABLE, f"lost the connection to {self.socket_path}: {error}") from None
+                raise DaemonError(protocol.E_UNAVAILABLE, f"lost the connection to {self._shown()}: {error}") from None
         return request_id
 
     def receive(self) -> dict[str, Any]:
@@ -128,7 +225,7 @@ class DaemonConnection:
         except protocol.ProtocolError as error:
             raise DaemonError(error.code, f"bad answer: {error}") from None
         except OSError as error:  # includes socket.timeout
-            raise DaemonError(protocol.E_UNAVAILABLE, f"no answer from {self.socket_path}: {error}") from None
+            raise DaemonError(protocol.E_UNAVAILABLE, f"no answer from {self._shown()}: {error}") from None
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """A round trip: send, wait for the answer with the same id, raise on refusal."""

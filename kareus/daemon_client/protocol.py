@@ -1,6 +1,6 @@
 """The wire protocol between Kareus clients and the node daemon (`kareus-node`).
 
-A connection is a Unix stream socket carrying *frames*: a 4-byte big-endian length followed by
+A connection is a Unix stream socket or a TCP connection carrying *frames*: a 4-byte big-endian length followed by
 that many bytes of UTF-8 JSON holding one object. Lengths are bounded (`MAX_FRAME_BYTES`), so a
 peer can never make the other side buffer more than one bounded frame.
 
@@ -13,7 +13,9 @@ the answer echoes::
 
 Operations (GPUs are always named by UUID, never by ordinal):
 
-- ``hello``    – optional first message: ``job`` (KareusJob name, used as a metric label only).
+- ``hello``    – first message: ``job`` (KareusJob name, used as a metric label only) and, over TCP,
+  ``token`` (the pod's projected ServiceAccount token, audience ``kareus-node``; required there,
+  optional and ignored on the Unix socket).
 - ``discover`` – every GPU on the node with PCI bus id, name, supported clocks, policy bounds and
   whether this caller may control it.
 - ``lock``     – lock the SM clock of ``gpus`` to ``clock_mhz``.

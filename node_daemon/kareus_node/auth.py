@@ -1,13 +1,19 @@
-"""May this caller control that GPU? Two answers: the kubelet's (in a cluster) and an allow-list's.
+"""May this caller control that GPU? Three answers: the kubelet's, a TokenReview's (both in a
+cluster) and an allow-list's.
 
-An `Authorizer` turns a peer's kernel credentials into a `Grant`: who the caller is (an `Owner`,
-which labels its leases and metrics) and, for every GPU on the node, either "yes" or the reason
-why not. A grant is computed once per connection and re-checked periodically; when the facts
-behind it cannot be established (kubelet or API server down) the authorizer raises
-`AuthUnavailable` and the daemon fails closed.
+An `Authorizer` turns a caller's credentials into a `Grant`: who the caller is (an `Owner`, which
+labels its leases and metrics) and, for every GPU on the node, either "yes" or the reason why not.
+A grant is computed once per connection and re-checked periodically; when the facts behind it
+cannot be established (kubelet or API server down) the authorizer raises `AuthUnavailable` and
+the daemon fails closed.
 
-- `KubeletAuthorizer`: pid → `/proc/<pid>/cgroup` → pod UID → (API server) namespace/name →
-  (pod-resources) the GPUs allocated to that pod. Refused: callers outside pods, pods in
+- `KubeletAuthorizer` (Unix socket): kernel peer credentials → pid → `/proc/<pid>/cgroup` → pod
+  UID → the pod's GPUs.
+- `TokenAuthorizer` (TCP): the projected ServiceAccount token the client's `hello` carried
+  (audience `kareus-node`) → the API server's TokenReview → the pod the token is bound to → the
+  pod's GPUs. No cgroup, no hostPath: what a pod admitted under Pod Security `restricted` can offer.
+- Both share `PodAuthorizer._grant_for_pod`: pod UID → (API server) namespace/name on this node →
+  (pod-resources) the GPUs allocated to that pod. Refused: pods not on this node, pods in
   namespaces the policy does not allow, GPUs the pod was not allocated, GPUs allocated as
   time-slicing/MPS replicas, GPUs allocated to several pods.
 - `StandaloneAuthorizer`: for machines without a kubelet. An allow-list file maps uids and gids
@@ -16,10 +22,14 @@ behind it cannot be established (kubelet or API server down) the authorizer rais
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import os
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +37,21 @@ import yaml
 
 from kareus_node.config import ConfigError, NodeConfig
 from kareus_node.identity import PeerCredentials, pod_uid_of
+from kareus_node.kubeapi import KubeAPI, KubeAPIUnavailable
 from kareus_node.podresources import PodResourcesClient, PodResourcesUnavailable
 from kareus_node.pods import PodDirectory, PodDirectoryUnavailable
 
 HOLDERS_MAX_AGE_S = 1.0  # the probe before every re-check round always asks afresh
+
+TOKEN_AUDIENCE = "kareus-node"  # what the pods' projected serviceAccountToken volume asks for
+TOKEN_PATH = "/var/run/secrets/kareus.dev/node/token"  # where pods mount it (documentation, messages)
+TOKEN_REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"  # set by API servers ≥ 1.30 (ServiceAccountTokenPodNodeInfo)
+SERVICEACCOUNT_USER_PREFIX = "system:serviceaccount:"
+MAX_TOKEN_BYTES = 16 * 1024  # a ServiceAccount JWT is ~1 KiB; anything far larger is not one
+CLOCK_SKEW_S = 60.0  # the early expiry refusal leaves the node's clock this much leeway over the API server's
 
 
 class AuthUnavailable(Exception):
@@ -39,7 +60,7 @@ class AuthUnavailable(Exception):
 
 @dataclass(frozen=True)
 class Owner:
-    """Who holds a lease: the process and, in a cluster, its pod and KareusJob."""
+    """Who holds a lease: the process (pid 0, uid -1 over TCP: unknown) and, in a cluster, its pod and KareusJob."""
 
     pid: int
     uid: int
@@ -61,11 +82,27 @@ class Owner:
 
 
 @dataclass(frozen=True)
+class BearerToken:
+    """A TCP caller's credential: the token its `hello` carried (kept out of every repr and log)."""
+
+    token: str = field(repr=False)
+
+
+Credentials = PeerCredentials | BearerToken
+
+
+@dataclass(frozen=True)
 class Grant:
-    """The caller and, per GPU UUID, "" when it may control it or the reason it may not."""
+    """The caller and, per GPU UUID, "" when it may control it or the reason it may not.
+
+    `refused` says why the caller itself is refused (not in a pod, its token is invalid), so a TCP
+    `hello` can be answered with that one reason; `reviewed_at` is when its token was last reviewed
+    (time.monotonic; 0 for grants that have no token)."""
 
     owner: Owner
     refusals: Mapping[str, str]
+    refused: str = ""
+    reviewed_at: float = field(default=0.0, compare=False)
 
     def reason(self, uuid: str) -> str:
         return self.refusals.get(uuid, f"GPU {uuid} is not on this node")
@@ -73,10 +110,10 @@ class Grant:
 
 class Authorizer(ABC):
     @abstractmethod
-    def grant(self, peer: PeerCredentials, gpu_uuids: Sequence[str]) -> Grant:
-        """What `peer` may control among `gpu_uuids`; raises AuthUnavailable to fail closed."""
+    def grant(self, caller: Credentials, gpu_uuids: Sequence[str]) -> Grant:
+        """What `caller` may control among `gpu_uuids`; raises AuthUnavailable to fail closed."""
 
-    def recheck(self, grant: Grant, gpu_uuids: Sequence[str]) -> Grant:
+    def recheck(self, grant: Grant, gpu_uuids: Sequence[str], caller: Credentials | None = None) -> Grant:
         """The same caller's grant asked afresh (its identity, e.g. its pod, stays what it was)."""
         return grant
 
@@ -85,18 +122,13 @@ class Authorizer(ABC):
         return None  # an allow-list is always available
 
 
-class KubeletAuthorizer(Authorizer):
-    def __init__(self, config: NodeConfig, pods: PodDirectory, pod_resources: PodResourcesClient, *, proc_root: str = "/proc") -> None:
+class PodAuthorizer(Authorizer):
+    """The part shared by the cluster authorizers: a pod, by UID, on this node → its GPUs."""
+
+    def __init__(self, config: NodeConfig, pods: PodDirectory, pod_resources: PodResourcesClient) -> None:
         self._config = config
         self._pods = pods
         self._pod_resources = pod_resources
-        self._proc_root = proc_root
-
-    def grant(self, peer: PeerCredentials, gpu_uuids: Sequence[str]) -> Grant:
-        pod_uid = pod_uid_of(peer.pid, proc_root=self._proc_root)
-        if pod_uid is None:
-            return _refuse_all(Owner(peer.pid, peer.uid), gpu_uuids, f"caller pid {peer.pid} is not in a Kubernetes pod")
-        return self._grant_for_pod(peer, pod_uid, gpu_uuids)
 
     def probe(self) -> None:
         try:
@@ -104,23 +136,26 @@ class KubeletAuthorizer(Authorizer):
         except PodResourcesUnavailable as error:
             raise AuthUnavailable(str(error)) from None
 
-    def recheck(self, grant: Grant, gpu_uuids: Sequence[str]) -> Grant:
-        owner = grant.owner
-        if not owner.pod_uid:
-            return grant
-        return self._grant_for_pod(PeerCredentials(owner.pid, owner.uid, -1), owner.pod_uid, gpu_uuids)
-
-    def _grant_for_pod(self, peer: PeerCredentials, pod_uid: str, gpu_uuids: Sequence[str]) -> Grant:
+    def _grant_for_pod(self, caller: Owner, pod_uid: str, gpu_uuids: Sequence[str], *,
+                       expected: tuple[str, str] | None = None, reviewed_at: float = 0.0) -> Grant:
+        """The grant of pod `pod_uid` for `caller` (its pid/uid); `expected` is the namespace/name
+        another source (a token) claims for that UID, which the API server's answer must match."""
         try:
             pod = self._pods.lookup(pod_uid)
             holders = self._pod_resources.gpu_holders(max_age_s=HOLDERS_MAX_AGE_S)
         except (PodDirectoryUnavailable, PodResourcesUnavailable) as error:
             raise AuthUnavailable(str(error)) from None
         if pod is None:
-            return _refuse_all(Owner(peer.pid, peer.uid, pod_uid=pod_uid), gpu_uuids, f"pod {pod_uid} is not scheduled on this node")
-        owner = Owner(peer.pid, peer.uid, pod.namespace, pod.name, pod.uid, pod.job)
+            who = f"pod {expected[0]}/{expected[1]} ({pod_uid})" if expected else f"pod {pod_uid}"
+            owner = replace(caller, pod_uid=pod_uid)
+            return _refuse_all(owner, gpu_uuids, f"{who} is not scheduled on this node", reviewed_at=reviewed_at)
+        owner = Owner(caller.pid, caller.uid, pod.namespace, pod.name, pod.uid, pod.job)
+        if expected is not None and (pod.namespace, pod.name) != expected:
+            return _refuse_all(owner, gpu_uuids, f"token names pod {expected[0]}/{expected[1]} but UID {pod_uid} is "
+                               f"pod {pod.namespace}/{pod.name}", reviewed_at=reviewed_at)
         if not self._config.namespace_allowed(pod.namespace):
-            return _refuse_all(owner, gpu_uuids, f"namespace {pod.namespace} is not allowed by the node policy")
+            return _refuse_all(owner, gpu_uuids, f"namespace {pod.namespace} is not allowed by the node policy",
+                               reviewed_at=reviewed_at)
         refusals = {}
         for uuid in gpu_uuids:
             mine = [h for h in holders.get(uuid, []) if (h.namespace, h.pod) == (pod.namespace, pod.name)]
@@ -133,7 +168,120 @@ class KubeletAuthorizer(Authorizer):
                 refusals[uuid] = f"GPU {uuid} is allocated to several pods; clock control is refused"
             else:
                 refusals[uuid] = ""
-        return Grant(owner, refusals)
+        return Grant(owner, refusals, reviewed_at=reviewed_at)
+
+
+class KubeletAuthorizer(PodAuthorizer):
+    """Unix-socket callers: the kernel's peer pid → its cgroup → its pod."""
+
+    def __init__(self, config: NodeConfig, pods: PodDirectory, pod_resources: PodResourcesClient, *, proc_root: str = "/proc") -> None:
+        super().__init__(config, pods, pod_resources)
+        self._proc_root = proc_root
+
+    def grant(self, caller: Credentials, gpu_uuids: Sequence[str]) -> Grant:
+        if not isinstance(caller, PeerCredentials):
+            return _refuse_all(Owner(0, -1), gpu_uuids, "this authorizer needs kernel peer credentials (Unix socket)")
+        pod_uid = pod_uid_of(caller.pid, proc_root=self._proc_root)
+        if pod_uid is None:
+            return _refuse_all(Owner(caller.pid, caller.uid), gpu_uuids, f"caller pid {caller.pid} is not in a Kubernetes pod")
+        return self._grant_for_pod(Owner(caller.pid, caller.uid), pod_uid, gpu_uuids)
+
+    def recheck(self, grant: Grant, gpu_uuids: Sequence[str], caller: Credentials | None = None) -> Grant:
+        owner = grant.owner
+        if not owner.pod_uid:
+            return grant
+        return self._grant_for_pod(Owner(owner.pid, owner.uid), owner.pod_uid, gpu_uuids)
+
+
+@dataclass(frozen=True)
+class TokenIdentity:
+    """What a TokenReview says a bound ServiceAccount token stands for."""
+
+    namespace: str
+    service_account: str
+    pod: str
+    pod_uid: str
+    node: str  # "" when the API server does not say (before 1.30)
+
+
+class TokenAuthorizer(PodAuthorizer):
+    """TCP callers: a projected ServiceAccount token (audience `kareus-node`), reviewed by the API
+    server (TokenReview, as the daemon's own ServiceAccount), names the pod it is bound to.
+
+    A bound token validates only while its pod exists (with that UID) and the token has not
+    expired, so re-reviewing it is how a re-check learns that the pod is gone even before the
+    kubelet stops listing it. Reviews are re-done at most every `review_interval_s` (the API
+    server answers every leased connection of every node); the pod-resources part of the grant is
+    re-checked on every round regardless."""
+
+    def __init__(self, config: NodeConfig, pods: PodDirectory, pod_resources: PodResourcesClient, api: KubeAPI, *,
+                 node_name: str, audience: str = TOKEN_AUDIENCE, review_interval_s: float | None = None) -> None:
+        super().__init__(config, pods, pod_resources)
+        self._api = api
+        self._node_name = node_name
+        self._audience = audience
+        self._review_interval_s = config.token_review_s if review_interval_s is None else review_interval_s
+
+    def grant(self, caller: Credentials, gpu_uuids: Sequence[str]) -> Grant:
+        token = caller.token if isinstance(caller, BearerToken) else ""
+        reviewed_at = time.monotonic()
+        identity, reason = self.review(token)
+        if identity is None:
+            return _refuse_all(Owner(0, -1), gpu_uuids, reason, reviewed_at=reviewed_at)
+        return self._grant_for_pod(Owner(0, -1), identity.pod_uid, gpu_uuids,
+                                   expected=(identity.namespace, identity.pod), reviewed_at=reviewed_at)
+
+    def recheck(self, grant: Grant, gpu_uuids: Sequence[str], caller: Credentials | None = None) -> Grant:
+        owner = grant.owner
+        if not owner.pod_uid:
+            return grant  # refused at connect; stays refused
+        reviewed_at = grant.reviewed_at
+        if time.monotonic() - reviewed_at >= self._review_interval_s:
+            reviewed_at = time.monotonic()
+            identity, reason = self.review(caller.token if isinstance(caller, BearerToken) else "")
+            if identity is None:
+                return _refuse_all(owner, gpu_uuids, reason, reviewed_at=reviewed_at)
+            if identity.pod_uid != owner.pod_uid:
+                return _refuse_all(owner, gpu_uuids, f"the connection's token now names pod {identity.namespace}/"
+                                   f"{identity.pod}, not {owner.namespace}/{owner.pod}", reviewed_at=reviewed_at)
+        fresh = self._grant_for_pod(Owner(0, -1), owner.pod_uid, gpu_uuids, expected=(owner.namespace, owner.pod),
+                                    reviewed_at=reviewed_at)
+        return fresh
+
+    def review(self, token: str) -> tuple[TokenIdentity | None, str]:
+        """(identity, "") for a valid bound token of this audience, else (None, why not);
+        raises AuthUnavailable when the API server cannot answer (fail closed)."""
+        if not token:
+            return None, (f"no token: a TCP connection must send hello with token, a projected ServiceAccount token "
+                          f"with audience {self._audience} (pods mount it at {TOKEN_PATH})")
+        shape = _unverified_claims_problem(token, self._audience)
+        if shape:  # refused without asking the API server: garbage must not cost it a request
+            return None, f"token refused: {shape}"
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token, "audiences": [self._audience]}}
+        try:
+            answer = self._api.post(TOKEN_REVIEW_PATH, body)
+        except KubeAPIUnavailable as error:
+            hint = " (the node agent's ServiceAccount needs RBAC to create tokenreviews)" if error.status == 403 else ""
+            raise AuthUnavailable(f"cannot review the token with the API server: {error}{hint}") from None
+        status = answer.get("status") or {}
+        if not status.get("authenticated"):
+            return None, f"token refused by the API server's TokenReview: {status.get('error') or 'not authenticated'}"
+        if self._audience not in (status.get("audiences") or []):
+            return None, f"token refused: not valid for audience {self._audience}"
+        user = status.get("user") or {}
+        username = str(user.get("username", ""))
+        namespace, _, account = username.removeprefix(SERVICEACCOUNT_USER_PREFIX).partition(":")
+        if not username.startswith(SERVICEACCOUNT_USER_PREFIX) or not namespace or not account:
+            return None, f"token refused: {username or 'its user'} is not a ServiceAccount"
+        extra = user.get("extra") or {}
+        pod, pod_uid, node = (_first(extra.get(key)) for key in (POD_NAME_EXTRA, POD_UID_EXTRA, NODE_NAME_EXTRA))
+        if not pod or not pod_uid:
+            return None, (f"token refused: it is not bound to a pod (use a projected serviceAccountToken volume, "
+                          f"audience {self._audience})")
+        if node and node != self._node_name:
+            return None, f"pod {namespace}/{pod} runs on node {node}, not on this node ({self._node_name})"
+        return TokenIdentity(namespace, account, pod, pod_uid, node), ""
 
 
 @dataclass(frozen=True)
@@ -147,7 +295,10 @@ class StandaloneAuthorizer(Authorizer):
     def __init__(self, rules: Sequence[AllowRule] | None = None) -> None:
         self._rules = tuple(rules) if rules is not None else (AllowRule(os.getuid(), None, None),)
 
-    def grant(self, peer: PeerCredentials, gpu_uuids: Sequence[str]) -> Grant:
+    def grant(self, caller: Credentials, gpu_uuids: Sequence[str]) -> Grant:
+        if not isinstance(caller, PeerCredentials):
+            return _refuse_all(Owner(0, -1), gpu_uuids, "the allow-list needs kernel peer credentials (Unix socket)")
+        peer = caller
         matching = [r for r in self._rules if r.uid == peer.uid or (r.gid is not None and r.gid == peer.gid)]
         refusals = {}
         for uuid in gpu_uuids:
@@ -190,5 +341,34 @@ def _rule(entry: Any, where: str) -> AllowRule:
     return AllowRule(ids["uid"], ids["gid"], frozenset(gpus))
 
 
-def _refuse_all(owner: Owner, gpu_uuids: Sequence[str], reason: str) -> Grant:
-    return Grant(owner, dict.fromkeys(gpu_uuids, reason))
+def _refuse_all(owner: Owner, gpu_uuids: Sequence[str], reason: str, *, reviewed_at: float = 0.0) -> Grant:
+    return Grant(owner, dict.fromkeys(gpu_uuids, reason), refused=reason, reviewed_at=reviewed_at)
+
+
+def _first(values: Any) -> str:
+    """The single value of a TokenReview `extra` entry (a list of strings)."""
+    return str(values[0]) if isinstance(values, list) and values else ""
+
+
+def _unverified_claims_problem(token: str, audience: str) -> str:
+    """Why `token` cannot be a current ServiceAccount JWT for `audience`, judged from its unverified
+    claims ("" when it may be one). Only ever used to refuse early; acceptance is the TokenReview's."""
+    if len(token) > MAX_TOKEN_BYTES:
+        return f"longer than {MAX_TOKEN_BYTES} bytes"
+    parts = token.split(".")
+    if len(parts) != 3:
+        return "not a JSON Web Token"
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except (binascii.Error, ValueError):
+        return "not a JSON Web Token"
+    if not isinstance(claims, dict):
+        return "not a JSON Web Token"
+    audiences = claims.get("aud")
+    audiences = [audiences] if isinstance(audiences, str) else audiences if isinstance(audiences, list) else []
+    if audience not in audiences:
+        return f"its audience is {', '.join(map(str, audiences)) or 'unset'}, not {audience}"
+    expiry = claims.get("exp")
+    if isinstance(expiry, (int, float)) and not isinstance(expiry, bool) and expiry + CLOCK_SKEW_S < time.time():
+        return "it has expired"
+    return ""

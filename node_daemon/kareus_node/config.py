@@ -9,6 +9,7 @@ The file is YAML; every key is optional and an unknown key is an error naming it
       gpuModels:
         NVIDIA-A100-SXM4-40GB: {floorMHz: 1005, ceilingMHz: 1410}
     podRecheckSeconds: 5          # how often leases are re-checked against the kubelet
+    tokenReviewSeconds: 60        # how often a TCP caller's token is re-reviewed (TokenReview) during a re-check
     maxConnections: 64            # more concurrent clients are turned away
     requestTimeoutSeconds: 5      # a frame must arrive completely within this
     maxScheduleLength: 4096       # entries in one uploaded clock schedule
@@ -33,6 +34,7 @@ from kareus.policy import ClusterPolicy, PolicyError, load_policy
 _POLICY_KEYS = ("clockBounds", "allowedNamespaces")
 _LIMIT_KEYS = {
     "podRecheckSeconds": ("pod_recheck_s", float),
+    "tokenReviewSeconds": ("token_review_s", float),
     "maxConnections": ("max_connections", int),
     "requestTimeoutSeconds": ("request_timeout_s", float),
     "maxScheduleLength": ("max_schedule_length", int),
@@ -51,6 +53,7 @@ class NodeConfig:
     dry_run: bool = False
     policy: ClusterPolicy = field(default_factory=ClusterPolicy)
     pod_recheck_s: float = 5.0
+    token_review_s: float = 60.0
     max_connections: int = 64
     request_timeout_s: float = 5.0
     max_schedule_length: int = 4096

@@ -11,10 +11,20 @@ cgroup naming, which comes in several spellings:
 
 in cgroup v1 files (one line per controller) and v2 (one ``0::`` line). A process whose lines
 name no pod, or two different pods, has no pod identity.
+
+The kernel renders those paths relative to the *reader's* cgroup namespace. On cgroup v2 the
+container runtime gives every unprivileged container its own (containerd does; privileged ones keep
+the host's), so a node agent in `securityMode: capabilities` would read ``0::/../../pod<uid>/<ctr>``:
+under the systemd driver the slice names still say ``kubepods-…-pod<uid>.slice``, under cgroupfs
+nothing says ``kubepods`` any more. `enter_host_cgroup_namespace` moves the daemon into the host's
+cgroup namespace (that of pid 1, visible with hostPID; setns needs CAP_SYS_ADMIN, which both
+security modes have) so both drivers read as on the host.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
 import socket
 import struct
@@ -55,3 +65,32 @@ def pod_uid_of(pid: int, *, proc_root: str | Path = "/proc") -> str | None:
     except OSError:
         return None
     return pod_uid_from_cgroup(text)
+
+
+CLONE_NEWCGROUP = 0x02000000
+
+
+def enter_host_cgroup_namespace(proc_root: str | Path = "/proc") -> str:
+    """Join the cgroup namespace of pid 1 under `proc_root` unless already in it; "" when in it (or
+    there is none to see), else a warning saying why not. Call before any thread starts."""
+    host = Path(proc_root) / "1" / "ns" / "cgroup"
+    try:
+        wanted = os.readlink(host)
+        current = os.readlink("/proc/self/ns/cgroup")
+    except OSError:
+        return ""  # no cgroup namespaces here (or a fake proc root): nothing to join
+    if wanted == current:
+        return ""
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        fd = os.open(host, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as error:
+        return f"cannot open the host cgroup namespace {host} ({error.strerror}); pod identification may fail under the cgroupfs driver"
+    try:
+        if libc.setns(fd, CLONE_NEWCGROUP) != 0:
+            err = ctypes.get_errno()
+            return (f"cannot join the host cgroup namespace ({os.strerror(err)}; needs CAP_SYS_ADMIN and hostPID); "
+                    f"pod identification may fail under the cgroupfs driver")
+    finally:
+        os.close(fd)
+    return ""

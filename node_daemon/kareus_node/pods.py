@@ -9,17 +9,12 @@ once a second so a flood of unknown callers cannot flood the API server.
 
 from __future__ import annotations
 
-import json
-import os
-import ssl
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 
-from kareus.incluster import serviceaccount_dir
+from kareus_node.kubeapi import KubeAPI, KubeAPIUnavailable
 
 JOB_LABEL = "kareus.dev/job-name"  # set by the operator on every pod it creates (kareus_operator.settings.LABEL_JOB)
 MIN_REFRESH_INTERVAL_S = 1.0
@@ -54,11 +49,8 @@ class PodDirectory:
         timeout_s: float = 2.0,
     ) -> None:
         selector = urllib.parse.quote(f"spec.nodeName={node_name}")
-        self._url = f"{api_url.rstrip('/')}/api/v1/pods?fieldSelector={selector}"
-        self._token_path = token_path or str(serviceaccount_dir() / "token")
-        ca_path = ca_path or str(serviceaccount_dir() / "ca.crt")
-        self._context = ssl.create_default_context(cafile=ca_path) if os.path.exists(ca_path) else None
-        self._timeout_s = timeout_s
+        self._path = f"/api/v1/pods?fieldSelector={selector}"
+        self.api = KubeAPI(api_url, token_path=token_path, ca_path=ca_path, timeout_s=timeout_s)
         self._pods: dict[str, PodRef] = {}
         self._refreshed_at = float("-inf")
         self._lock = threading.Lock()
@@ -71,14 +63,9 @@ class PodDirectory:
             return self._pods.get(uid)
 
     def _refresh(self) -> None:
-        request = urllib.request.Request(self._url, headers={"Accept": "application/json"})
-        token = self._token()
-        if token:
-            request.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout_s, context=self._context) as response:
-                body = json.load(response)
-        except (OSError, ValueError, urllib.error.URLError) as error:
+            body = self.api.get(self._path)
+        except KubeAPIUnavailable as error:
             raise PodDirectoryUnavailable(f"cannot list pods on this node from the API server: {error}") from None
         self._refreshed_at = time.monotonic()
         self._pods = {}
@@ -86,10 +73,3 @@ class PodDirectory:
             meta = item.get("metadata", {})
             if meta.get("uid"):
                 self._pods[meta["uid"]] = PodRef(meta["uid"], meta.get("namespace", ""), meta.get("name", ""), meta.get("labels") or {})
-
-    def _token(self) -> str:
-        try:
-            with open(self._token_path, encoding="utf-8") as handle:
-                return handle.read().strip()
-        except OSError:
-            return ""

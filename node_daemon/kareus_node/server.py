@@ -1,8 +1,11 @@
-"""The daemon proper: the socket server, sessions and leases, and the restore rules.
+"""The daemon proper: the socket servers, sessions and leases, and the restore rules.
 
-Every accepted connection is a *session* with the kernel-vouched credentials of its peer. The
-first request that touches a GPU asks the `Authorizer` for the session's `Grant` (cached, and
-re-checked every `pod_recheck_s` while the session holds leases). A lock takes a *lease* on each
+Every accepted connection is a *session* with credentials: on the Unix socket the kernel-vouched
+pid/uid/gid of its peer; on the node's TCP port (for pods that cannot mount a hostPath) the
+ServiceAccount token its `hello` carries — a TCP session must authenticate with that `hello`
+before anything else, and is closed with one refusal when it does not. The first request that
+touches a GPU asks the session's `Authorizer` for its `Grant` (cached, and re-checked every
+`pod_recheck_s` while the session holds leases). A lock takes a *lease* on each
 GPU it names: leases belong to one session, so two clients can never fight over a GPU, and they
 end — the GPU goes back to default clocks — when the session ends (the client closed, exited or
 was SIGKILLed: the kernel closes its socket), when the re-check says the pod no longer holds the
@@ -30,9 +33,9 @@ from typing import Any
 from kareus.daemon_client import protocol
 from kareus.daemon_client.protocol import ProtocolError
 from kareus.policy import ClockBounds
-from kareus_node.auth import Authorizer, AuthUnavailable, Grant, Owner
+from kareus_node.auth import Authorizer, AuthUnavailable, BearerToken, Credentials, Grant, Owner
 from kareus_node.config import NodeConfig
-from kareus_node.identity import PeerCredentials, peer_credentials
+from kareus_node.identity import peer_credentials
 from kareus_node.journal import Journal, JournalError
 from kareus_node.worker import ClockWorker
 
@@ -62,7 +65,11 @@ def _refused(message: str) -> RequestFailed:
 @dataclass
 class Session:
     id: int
-    peer: PeerCredentials
+    credentials: Credentials
+    authorizer: Authorizer
+    transport: str = "unix"  # or "tcp": must authenticate with hello(token) first
+    authenticated: bool = True
+    close_after_reply: bool = False
     job: str = ""
     grant: Grant | None = None
     leases: set[str] = field(default_factory=set)
@@ -80,9 +87,12 @@ class Daemon:
     """Serves the local API for `gpus` under `config`, authorising through `authorizer`."""
 
     def __init__(self, gpus: Sequence[Any], authorizer: Authorizer, config: NodeConfig, journal: Journal,
-                 *, node_name: str, observe: Any = None, recheck: bool = False) -> None:
+                 *, node_name: str, observe: Any = None, recheck: bool = False,
+                 token_authorizer: Authorizer | None = None) -> None:
         self.gpus = {gpu.uuid: gpu for gpu in gpus}
-        self.authorizer = authorizer
+        self.authorizer = authorizer  # Unix-socket callers
+        self.token_authorizer = token_authorizer  # TCP callers (None: no TCP listener)
+        self.tcp_address: tuple[str, int] | None = None  # where the TCP listener is bound, once serving
         self.config = config
         self.journal = journal
         self.node_name = node_name
@@ -98,6 +108,7 @@ class Daemon:
         self.auth_healthy = True
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
+        self._tcp_server: asyncio.AbstractServer | None = None
         self._stopped = asyncio.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -126,15 +137,29 @@ class Daemon:
             self.workers[uuid] = ClockWorker(gpu, self.journal, dry_run=self.config.dry_run)
             self.workers[uuid].clock_changes = self.restored_on_start.count(uuid)
 
-    async def serve(self, socket_path: str, on_ready: Callable[[], None] | None = None) -> None:
-        """Listen on `socket_path` until `stop()`; then reset everything that is still leased."""
+    async def serve(self, socket_path: str, on_ready: Callable[[], None] | None = None, *,
+                    tcp: tuple[str, int] | None = None) -> None:
+        """Listen on `socket_path` (and on `tcp`, host and port, when given) until `stop()`; then
+        reset everything that is still leased."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)
         Path(socket_path).parent.mkdir(parents=True, exist_ok=True)
+        limit = protocol.MAX_FRAME_BYTES + protocol.HEADER.size
         self._server = await asyncio.start_unix_server(
-            self._serve_connection, path=socket_path, limit=protocol.MAX_FRAME_BYTES + protocol.HEADER.size, backlog=256
+            lambda r, w: self._serve_connection(r, w, "unix"), path=socket_path, limit=limit, backlog=256
         )
         os.chmod(socket_path, 0o666)  # any local process may *ask*; authorisation decides
+        if tcp is not None:
+            if self.token_authorizer is None:
+                raise OSError("a TCP listener needs a token authorizer (cluster mode)")
+            try:
+                self._tcp_server = await asyncio.start_server(
+                    lambda r, w: self._serve_connection(r, w, "tcp"), host=tcp[0], port=tcp[1], limit=limit,
+                    backlog=256, reuse_address=True)
+            except OSError:
+                self._server.close()
+                raise
+            self.tcp_address = self._tcp_server.sockets[0].getsockname()[:2]
         recheck = asyncio.create_task(self._recheck_loop()) if self.recheck else None
         self.ready = True
         if on_ready:
@@ -146,6 +171,8 @@ class Daemon:
             if recheck:
                 recheck.cancel()
             self._server.close()
+            if self._tcp_server is not None:
+                self._tcp_server.close()
             self._release_everything("daemon stopping")
             for worker in self.workers.values():
                 await asyncio.to_thread(worker.stop)
@@ -156,17 +183,21 @@ class Daemon:
         self._stopped.set()
 
     # -- connections ---------------------------------------------------------------------------
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, transport: str) -> None:
         if len(self.sessions) >= self.config.max_connections:
             self.observe("rejected", 0.0)
             await self._close_with(writer, protocol.error_reply(0, protocol.E_BUSY, f"too many connections (limit {self.config.max_connections})"))
             return
-        try:
-            peer = peer_credentials(writer.get_extra_info("socket"))
-        except OSError:
-            writer.close()
-            return
-        session = Session(next(self._ids), peer)
+        if transport == "tcp":
+            assert self.token_authorizer is not None
+            session = Session(next(self._ids), BearerToken(""), self.token_authorizer, "tcp", authenticated=False)
+        else:
+            try:
+                peer = peer_credentials(writer.get_extra_info("socket"))
+            except OSError:
+                writer.close()
+                return
+            session = Session(next(self._ids), peer, self.authorizer)
         self.sessions[session.id] = session
         try:
             await self._read_frames(session, reader, writer)
@@ -180,7 +211,15 @@ class Daemon:
 
     async def _read_frames(self, session: Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while not self._stopped.is_set():
-            header = await reader.readexactly(protocol.HEADER.size)  # an idle client may wait forever
+            if session.authenticated:
+                header = await reader.readexactly(protocol.HEADER.size)  # an idle client may wait forever
+            else:  # anyone on the network can connect: one who does not authenticate must not hold a slot
+                try:
+                    header = await asyncio.wait_for(reader.readexactly(protocol.HEADER.size), self.config.request_timeout_s)
+                except TimeoutError:
+                    self.observe("refused", 0.0)
+                    await self._close_with(writer, protocol.error_reply(0, protocol.E_REFUSED, f"no hello with a token within {self.config.request_timeout_s} s"))
+                    return
             try:
                 length = protocol.frame_length(header)
             except ProtocolError as error:  # the stream cannot be re-synchronised: answer and close
@@ -196,6 +235,10 @@ class Daemon:
             reply = await self._handle(session, body)
             writer.write(protocol.encode_frame(reply))
             await writer.drain()  # a peer that does not read its answers stalls only itself
+            # A TCP caller that failed to authenticate gets one answer, whatever it sent.
+            if session.close_after_reply or (not session.authenticated and not reply.get("ok")):
+                writer.close()
+                return
             if session.bad_frames >= MAX_BAD_FRAMES:
                 await self._close_with(writer, protocol.error_reply(0, protocol.E_INVALID, "too many bad frames; closing"))
                 return
@@ -219,6 +262,10 @@ class Daemon:
             raw_id = message.get("id", 0)
             request_id = raw_id if type(raw_id) is int and 0 <= raw_id < 2**53 else 0
             request_id, op = protocol.check_request(message)
+            if not session.authenticated and op != "hello":
+                session.close_after_reply = True
+                raise _refused(f"{op}: authenticate first: a TCP connection's first request is hello with token, a "
+                               f"projected ServiceAccount token with audience kareus-node")
             reply = await getattr(self, f"_op_{op}")(session, request_id, message)
             result = "dry_run" if self.config.dry_run and op in ("lock", "next", "reset") else "ok"
         except ProtocolError as error:
@@ -238,8 +285,30 @@ class Daemon:
         job = message.get("job", "")
         if not isinstance(job, str) or len(job) > 253:
             raise _invalid("job: must be a string of at most 253 characters")
+        token = message.get("token", "")
+        if not isinstance(token, str):
+            raise _invalid("token: must be a string (a ServiceAccount token)")
         session.job = job
+        if session.transport == "tcp":  # on the Unix socket the kernel's credentials decide; a token is ignored
+            await self._authenticate(session, token)
         return protocol.ok_reply(request_id, node=self.node_name, dry_run=self.config.dry_run)
+
+    async def _authenticate(self, session: Session, token: str) -> None:
+        """Review a TCP session's token (its first hello, or a later one with the rotated token):
+        the session becomes that pod's, or is answered once and closed."""
+        try:
+            grant = await asyncio.to_thread(session.authorizer.grant, BearerToken(token), list(self.gpus))
+        except AuthUnavailable as error:
+            session.close_after_reply = not session.authenticated
+            raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot authenticate (failing closed): {error}", "unavailable") from None
+        previous = session.grant.owner.pod_uid if session.grant is not None else ""
+        if grant.refused or (previous and grant.owner.pod_uid != previous):
+            session.close_after_reply = True  # one clear refusal; the connection (and any lease) ends
+            raise _refused(grant.refused or f"the new token names pod {grant.owner.namespace}/{grant.owner.pod}, "
+                           f"not this connection's pod")
+        session.credentials = BearerToken(token)
+        session.authenticated = True
+        session.grant = _with_job_grant(grant, session.job) if session.job else grant
 
     async def _op_discover(self, session: Session, request_id: int, _message: dict[str, Any]) -> dict[str, Any]:
         grant = await self._grant(session)
@@ -347,11 +416,11 @@ class Daemon:
     async def _grant(self, session: Session) -> Grant:
         if session.grant is None:
             try:
-                session.grant = await asyncio.to_thread(self.authorizer.grant, session.peer, list(self.gpus))
+                session.grant = await asyncio.to_thread(session.authorizer.grant, session.credentials, list(self.gpus))
             except AuthUnavailable as error:
                 raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot authorise (failing closed): {error}", "unavailable") from None
             if session.job:
-                session.grant = Grant(_with_job(session.grant.owner, session.job), session.grant.refusals)
+                session.grant = _with_job_grant(session.grant, session.job)
         return session.grant
 
     def _control_refusal(self, grant: Grant, uuid: str) -> str:
@@ -426,7 +495,8 @@ class Daemon:
 
     async def recheck_leases(self) -> None:
         try:
-            await asyncio.to_thread(self.authorizer.probe)
+            for authorizer in dict.fromkeys(a for a in (self.authorizer, self.token_authorizer) if a is not None):
+                await asyncio.to_thread(authorizer.probe)
             unavailable = ""
         except AuthUnavailable as error:
             unavailable = str(error)
@@ -438,7 +508,7 @@ class Daemon:
             try:
                 if unavailable:
                     raise AuthUnavailable(unavailable)
-                fresh = await asyncio.to_thread(self.authorizer.recheck, session.grant, list(self.gpus))
+                fresh = await asyncio.to_thread(session.authorizer.recheck, session.grant, list(self.gpus), session.credentials)
             except AuthUnavailable as error:
                 self.auth_healthy = False
                 self._release(session, session.leases, f"authorisation unavailable, failing closed: {error}")
@@ -447,7 +517,12 @@ class Daemon:
             lost = [uuid for uuid in session.leases if fresh.reason(uuid)]
             if lost:
                 self._release(session, lost, f"no longer allowed: {fresh.reason(lost[0])}")
-            session.grant = Grant(_with_job(fresh.owner, session.job), fresh.refusals) if session.job else fresh
+            session.grant = _with_job_grant(fresh, session.job) if session.job else fresh
+
+
+def _with_job_grant(grant: Grant, job: str) -> Grant:
+    return Grant(_with_job(grant.owner, job), grant.refusals, grant.refused, grant.reviewed_at)
+
 
 def _with_job(owner: Owner, job: str) -> Owner:
     """The owner labelled with the job the client named, unless its pod already says which job."""
