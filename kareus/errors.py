@@ -14,3 +14,10 @@ class KareusError(Exception):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+
+
+# Exit codes that mean "running again cannot help", which the operator's pod failure policy turns
+# into an immediate Job failure instead of spending the backoff limit on them.
+EXIT_USAGE = 2  # bad input: a manifest, a plan or a flag that does not validate
+EXIT_CONFIG = 78  # EX_CONFIG: the environment cannot do what was asked (no GPU where one is required)
+NON_RETRYABLE_EXIT_CODES = (EXIT_USAGE, EXIT_CONFIG)

@@ -19,11 +19,28 @@ ITERATION_SECONDS = "kareus_iteration_seconds"
 ITERATION_ENERGY_JOULES = "kareus_iteration_energy_joules"
 TOKENS_PER_JOULE = "kareus_tokens_per_joule"
 PLAN_INFO = "kareus_plan_info"
+# Straggler-aware re-selection (data parallelism): the frontier row a rank's replica runs, the
+# slowest replica's slowdown over the next (fraction), re-selections by reason (straggler|recovered).
+PLAN_FRONTIER_ROW = "kareus_plan_frontier_row"
+REPLICA_SLOWDOWN_RATIO = "kareus_replica_slowdown_ratio"
+STRAGGLER_RESELECTIONS_TOTAL = "kareus_straggler_reselections_total"
 
 # Operator.
 JOBS = "kareus_jobs"
 PHASE_SECONDS = "kareus_phase_seconds"
 PROFILE_CACHE_HITS_TOTAL = "kareus_profile_cache_hits_total"
+# Per KareusJob (labelled namespace, kareusjob), what the alerts read: the phase it is in (1, one
+# series per job), each status condition (1 True, 0 False) and the energy its status has measured.
+JOB_PHASE = "kareus_job_phase"
+JOB_CONDITION = "kareus_job_condition"
+JOB_MEASURED_ENERGY_JOULES = "kareus_job_measured_energy_joules"
+# Cluster power budget (kareus.power_budget; the operator exports them): the budget per scope
+# (label scope=cluster|gpuProduct|nodePool, name), each job's allotment (the predicted average
+# power of its assigned frontier point) and measured average power, and the jobs held for lack of power.
+POWER_BUDGET_WATTS = "kareus_power_budget_watts"
+JOB_POWER_ALLOTMENT_WATTS = "kareus_job_power_allotment_watts"
+JOB_MEASURED_POWER_WATTS = "kareus_job_measured_power_watts"
+POWER_BUDGET_HELD_JOBS = "kareus_power_budget_held_jobs"
 
 
 def all_metric_names() -> frozenset[str]:

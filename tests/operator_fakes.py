@@ -14,6 +14,7 @@ profiling and optimizing take.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -81,7 +82,8 @@ def main() -> int:
                 "frontier": {"rows": [{"time_s": STEP_TIME_S, "energy_j": STEP_ENERGY_J}] * 3}}
         Path(_arg("--out")).write_text(json.dumps(plan))
     elif phase == "train":
-        json.loads(Path(_arg("--plan")).read_text())
+        raw = Path(_arg("--plan")).read_bytes()
+        json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)  # the plan ConfigMap stores it gzipped
         steps = int(os.environ.get("FAKE_STEPS", "4"))
         out = Path(_arg("--out"))
         with open(out / "train.jsonl", "a") as log:

@@ -308,7 +308,7 @@ def test_objective_and_suspend_may_change_while_training(kube_client, namespace)
 def test_defaulted_fields_left_out_are_not_a_change(kube_client, namespace):
     stored = create_quickstart(kube_client, namespace, {"trainingStartTime": "2026-01-01T00:00:00Z"})
     changed = copy.deepcopy(stored)
-    del changed["spec"]["gpu"]  # defaulted back to the same value before the rule runs
+    del changed["spec"]["profiling"]  # defaulted back to the same value before the rule runs
     assert dry_run_update(kube_client, namespace, changed) == (200, "")
 
 

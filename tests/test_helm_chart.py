@@ -347,7 +347,9 @@ def test_rbac_is_least_privilege(objects, name):
         assert not {"roles", "rolebindings", "clusterroles", "clusterrolebindings"} & set(rule["resources"])
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
     agent = [r for n, r in rules_of(objs, "ClusterRole") if n.endswith("node-agent")]
-    assert agent == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
+    # its node's pods (pod UID → name, labels) and TokenReviews of its TCP callers' tokens
+    assert agent == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                     {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}]
     for n, rule in rules_of(objs, "ClusterRole"):
         if "kareusjobs" in rule["resources"]:
             # never create jobs; delete only for ttlSecondsAfterFinished
@@ -487,7 +489,7 @@ def test_operator_settings_and_flags_are_what_the_operator_reads(objects, monkey
         env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("KAREUS_OPERATOR_")}
         settings = settings_module.Settings.from_env(env)
         assert settings.policy_configmap == "kareus-policy" and settings.policy_namespace == NAMESPACE
-        assert settings.node_socket_dir == "/var/run/kareus"
+        assert settings.node_daemon_port == 9477
         assert settings.image == "ghcr.io/kareus-dev/kareus-runtime:0.1.0"
         assert settings.service_account == "kareus-worker"
         args = main._build_parser().parse_args(container["args"])
@@ -524,15 +526,13 @@ def test_node_agent_flags_and_config_are_what_the_daemon_reads(objects, tmp_path
     assert args.node_name == "$(NODE_NAME)"  # the kubelet expands it from the NODE_NAME env var
 
 
-def test_socket_directory_agrees_between_agent_and_operator(objects):
+def test_daemon_port_agrees_between_agent_and_operator(objects):
     agent = one(objects["default"], "DaemonSet")["spec"]["template"]["spec"]
     operator = one(objects["default"], "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    socket_mount = next(m["mountPath"] for m in agent["containers"][0]["volumeMounts"] if m["name"] == "sockets")
-    host_dir = next(v["hostPath"]["path"] for v in agent["volumes"] if v["name"] == "sockets")
     env = {e["name"]: e.get("value") for e in operator["env"]}
-    # The operator mounts this host directory into training pods at the same path.
-    assert env["KAREUS_OPERATOR_NODE_SOCKET_DIR"] == socket_mount == host_dir
-    assert f"--socket={socket_mount}/node.sock" in agent["containers"][0]["args"]
+    # The operator points worker pods at $(HOST_IP):port; the agent listens there (host network).
+    assert agent["hostNetwork"] is True
+    assert f"--listen-tcp=$(HOST_IP):{env['KAREUS_OPERATOR_NODE_DAEMON_PORT']}" in agent["containers"][0]["args"]
 
 
 # ---------------------------------------------------------------- services, monitors, dashboards, labels

@@ -19,7 +19,8 @@ SOURCES = {"kareus": ROOT / "kareus", "kareus_operator": ROOT / "operator" / "ka
 BASE = {"kareus", "kareus.errors", "kareus.metric_names"}  # version, errors, metric names
 CORE = BASE | {"kareus.search", "kareus.workload", "kareus.spec", "kareus.policy", "kareus.sim", "kareus.gpu",
                "kareus.job", "kareus.objective", "kareus.plan", "kareus.profiler", "kareus.optimizer",
-               "kareus.report", "kareus.daemon_client", "kareus.runtime", "kareus.launcher", "kareus.incluster"}
+               "kareus.report", "kareus.daemon_client", "kareus.runtime", "kareus.launcher", "kareus.incluster",
+               "kareus.straggler", "kareus.power_budget"}
 
 # unit → the units it may import (besides itself). A unit is `kareus.<top-level module or package>`,
 # or one of the shells' packages.
@@ -43,9 +44,11 @@ ALLOWED: dict[str, set[str]] = {
     "kareus.optimizer": BASE | {"kareus.workload", "kareus.spec", "kareus.sim", "kareus.job", "kareus.objective",
                                 "kareus.search", "kareus.plan", "kareus.profiler"},
     "kareus.report": BASE | {"kareus.plan", "kareus.job"},
+    "kareus.straggler": BASE | {"kareus.objective", "kareus.plan", "kareus.sim", "kareus.job", "kareus.workload"},
+    "kareus.power_budget": BASE | {"kareus.objective", "kareus.plan", "kareus.policy", "kareus.sim"},
     "kareus.daemon_client": BASE,
     "kareus.runtime": BASE | {"kareus.workload", "kareus.spec", "kareus.sim", "kareus.gpu", "kareus.job",
-                              "kareus.objective", "kareus.plan", "kareus.daemon_client"},
+                              "kareus.objective", "kareus.plan", "kareus.daemon_client", "kareus.straggler"},
     # the shells
     "kareus.cli": CORE | {"kareus_operator", "kareus_operator.devcluster"},
     "kareus.__main__": {"kareus.cli"},

@@ -124,7 +124,7 @@ async def test_jobs_reach_their_outcomes(dev_cluster, operator_release):
         assert conditions(unclocked)["ClockControlDegraded"] == ("True", "NodeAgentUnavailable")
 
         retried = await wait_for(kube, "team-a", "retry-f1train", phase_in(*TERMINAL))
-        assert retried["status"]["phase"] == "Succeeded" and retried["status"]["restarts"] == 1
+        assert retried["status"]["phase"] == "Succeeded" and retried["status"]["restarts"] == 1, retried["status"]
         assert await has_events(kube, "team-a", "retry-f1train", {"ChildRestarted"})
 
         doomed = await wait_for(kube, "team-a", "doomed-f9optimize", phase_in(*TERMINAL))

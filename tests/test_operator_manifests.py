@@ -23,6 +23,7 @@ def job_body(nodes: int = 1, queue: str | None = "team-queue") -> dict:
     job["metadata"].update(namespace="team-a", uid="1234-abcd", labels={LABEL_QUEUE: queue} if queue else {})
     job["spec"]["training"].update(nodes=nodes, gpusPerNode=2)
     job["spec"]["parallelism"]["data"] = nodes
+    job["spec"]["profiling"] = {"backend": "auto"}  # as on a real GPU cluster
     return job
 
 
@@ -44,55 +45,133 @@ def test_children_are_owned_labelled_and_named_deterministically():
     assert LABEL_QUEUE not in mf.spec_configmap(job_body(queue=None))["metadata"]["labels"]
 
 
-def test_profile_pod_publishes_an_unowned_cache_entry():
+def container(job: dict) -> dict:
+    return job["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_profile_job_requests_the_gpus_and_publishes_an_unowned_cache_entry():
     job = job_body()
-    pod = mf.profile_pod(job, spec_of(job), Settings(), "tiny-key-1")
-    command = pod["spec"]["containers"][0]["command"]
-    assert pod["metadata"]["name"] == "quickstart-profile"
+    child = mf.profile_job(job, spec_of(job), Settings(), "tiny-key-1")
+    assert (child["apiVersion"], child["kind"], child["metadata"]["name"]) == ("batch/v1", "Job", "quickstart-profile")
+    command = container(child)["command"]
     assert command[:4] == ["kareus-operator", "publish", "--configmap", "kareus-profile-tiny-key-1"]
     assert "--owner" not in command  # the cache outlives the job
     assert command[command.index("--") + 1:] == ["kareus", "profile", "/etc/kareus/job/job.yaml", "--backend",
-                                                 "auto", "--out", "/var/kareus/out/profile.json"]
-    assert pod["spec"]["restartPolicy"] == "Never"
+                                                 "auto", "--out", "/var/kareus/out/profile.json", "--require-gpu"]
+    pod = child["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and container(child)["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}  # the quickstart pins it
+    assert child["spec"]["suspend"] is True  # queued: Kueue admits it
+    assert child["spec"]["backoffLimit"] == 3
 
 
-def test_optimize_pod_mounts_the_profile_and_owns_the_plan():
+def test_every_phase_job_has_the_pod_failure_policy_and_a_restricted_pod():
+    job = job_body(queue=None)
+    spec = spec_of(job)
+    for child in (mf.profile_job(job, spec, Settings(), "k"), mf.optimize_job(job, spec, Settings(), "k"),
+                  mf.train_job(job, spec, Settings())):
+        rules = child["spec"]["podFailurePolicy"]["rules"]
+        assert rules[0] == {"action": "FailJob", "onExitCodes": {"containerName": "kareus", "operator": "In",
+                                                                 "values": [2, 78]}}
+        assert rules[1] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+        assert child["spec"]["podReplacementPolicy"] == "Failed" and child["spec"]["suspend"] is False
+        pod = child["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["seccompProfile"] == {
+            "type": "RuntimeDefault"}
+        assert container(child)["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert container(child)["securityContext"]["allowPrivilegeEscalation"] is False
+        assert not any("hostPath" in volume for volume in pod["volumes"])
+
+
+def test_optimize_job_mounts_the_profile_and_owns_the_gzipped_plan():
     job = job_body()
-    pod = mf.optimize_pod(job, Settings(), "tiny-key-1")
-    command = pod["spec"]["containers"][0]["command"]
+    child = mf.optimize_job(job, spec_of(job), Settings(), "tiny-key-1")
+    command = container(child)["command"]
     assert command[command.index("--owner") + 1] == "kareus.dev/v1alpha1/KareusJob/quickstart/1234-abcd"
-    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert command[command.index("--gzip-file") + 1] == "plan.json.gz=/var/kareus/out/plan.json"
+    volumes = {v["name"]: v for v in child["spec"]["template"]["spec"]["volumes"]}
     assert volumes["profile"]["configMap"]["name"] == "kareus-profile-tiny-key-1"
     assert "/etc/kareus/profile/profile.json" in command
+    assert "resources" not in container(child)  # a CPU pod: no GPU, no GPU toleration
+    assert "tolerations" not in child["spec"]["template"]["spec"]
 
 
-def test_train_pods_get_rank_env_plan_socket_and_one_publisher():
+def test_training_is_an_indexed_job_with_torchrun_env_and_a_daemon_token():
     job = job_body(nodes=2)
-    spec = spec_of(job)
-    pods = [mf.train_pod(job, spec, Settings(), i) for i in range(2)]
-    assert [p["metadata"]["name"] for p in pods] == ["quickstart-train-0", "quickstart-train-1"]
-    envs = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in pods]
-    assert envs[1]["MASTER_ADDR"] == "quickstart-train-0.quickstart-train.team-a.svc"
-    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] == str(mf.master_port("1234-abcd"))
-    assert [e["NODE_RANK"] for e in envs] == ["0", "1"] and envs[0]["NNODES"] == "2"
-    commands = [p["spec"]["containers"][0]["command"] for p in pods]
-    assert commands[0][:2] == ["kareus-operator", "publish"] and "--follow" in commands[0]
-    assert commands[1] == ["kareus", "train", "/etc/kareus/job/job.yaml", "--plan", "/etc/kareus/plan/plan.json",
-                           "--out", "/var/kareus/out", "--nproc", "2"]
-    mounts = {m["name"]: m["mountPath"] for m in pods[0]["spec"]["containers"][0]["volumeMounts"]}
-    assert mounts["plan"] == "/etc/kareus/plan" and mounts["node-socket"] == "/var/run/kareus"
-    assert pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert pods[0]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}
+    child = mf.train_job(job, spec_of(job), Settings())
+    assert child["metadata"]["name"] == "quickstart-train"
+    assert (child["spec"]["completionMode"], child["spec"]["completions"], child["spec"]["parallelism"]) == \
+        ("Indexed", 2, 2)
+    assert child["spec"]["backoffLimit"] == 0  # the operator restarts the whole gang
+    pod = child["spec"]["template"]["spec"]
+    assert pod["subdomain"] == "quickstart-train"
+    env = {e["name"]: e for e in container(child)["env"]}
+    assert env["MASTER_ADDR"]["value"] == env["PET_MASTER_ADDR"]["value"] == \
+        "quickstart-train-0.quickstart-train.team-a.svc"
+    assert env["MASTER_PORT"]["value"] == str(mf.master_port("1234-abcd"))
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == env["PET_NODE_RANK"]["valueFrom"]["fieldRef"][
+        "fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert env["NNODES"]["value"] == env["PET_NNODES"]["value"] == "2"
+    assert env["KAREUS_DAEMON_ADDRESS"]["value"] == "$(HOST_IP):9477"
+    assert env["KAREUS_DAEMON_TOKEN_FILE"]["value"] == "/var/run/secrets/kareus.dev/node/token"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["node-token"]["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "kareus-node"
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    command = container(child)["command"]
+    assert command[:2] == ["kareus-operator", "publish"] and "--follow-if-rank0" in command
+    assert command[command.index("--") + 1:] == ["kareus", "train", "/etc/kareus/job/job.yaml", "--plan",
+                                                 "/etc/kareus/plan/plan.json.gz", "--out", "/var/kareus/out",
+                                                 "--nproc", "2"]
+    assert container(child)["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert [p["name"] for p in container(child)["ports"]] == ["metrics", "metrics-1"]
     service = mf.train_service(job)
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == {"kareus.dev/job-name": "quickstart", "kareus.dev/role": "train"}
 
 
+def test_no_product_selector_unless_the_job_pins_one():
+    job = job_body()
+    del job["spec"]["gpu"]
+    pod = mf.train_job(job, spec_of(job), Settings())["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_pod_template_overrides_merge_by_role():
+    job = job_body()
+    job["spec"]["podTemplateOverrides"] = [
+        {"roles": ["train"], "metadata": {"labels": {"team": "nlp", "kareus.dev/role": "mine"}},
+         "spec": {"nodeSelector": {"pool": "h100"}, "priorityClassName": "training",
+                  "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+                  "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}}],
+                  "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+                  "env": [{"name": "HF_HOME", "value": "/data/hf"}],
+                  "resources": {"requests": {"cpu": "8", "memory": "64Gi"}}}},
+        {"roles": ["profile", "train"], "spec": {"imagePullSecrets": [{"name": "registry"}]}}]
+    spec = spec_of(job)
+    train = mf.train_job(job, spec, Settings())["spec"]["template"]
+    pod = train["spec"]
+    assert train["metadata"]["labels"]["team"] == "nlp"
+    assert train["metadata"]["labels"]["kareus.dev/role"] == "train"  # the operator's own labels stay
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "pool": "h100"}
+    assert pod["priorityClassName"] == "training" and pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "dedicated"]
+    assert pod["volumes"][-1] == {"name": "data", "persistentVolumeClaim": {"claimName": "corpus"}}
+    c = pod["containers"][0]
+    assert c["volumeMounts"][-1] == {"name": "data", "mountPath": "/data", "readOnly": True}
+    assert c["env"][-1] == {"name": "HF_HOME", "value": "/data/hf"}
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": "2"}, "requests": {"cpu": "8", "memory": "64Gi"}}
+    profile = mf.profile_job(job, spec, Settings(), "k")["spec"]["template"]["spec"]
+    assert profile["imagePullSecrets"] == [{"name": "registry"}] and "priorityClassName" not in profile
+    assert "imagePullSecrets" not in mf.optimize_job(job, spec, Settings(), "k")["spec"]["template"]["spec"]
+
+
 def test_command_templates_leave_other_braces_alone():
     settings = Settings(profile_command=("python", "-c", "print({'a': 1})", "{profile}"))
     job = job_body()
-    command = mf.profile_pod(job, spec_of(job), settings, "k")["spec"]["containers"][0]["command"]
-    assert command[-2:] == ["print({'a': 1})", "/var/kareus/out/profile.json"]
+    command = container(mf.profile_job(job, spec_of(job), settings, "k"))["command"]
+    assert command[-3:] == ["print({'a': 1})", "/var/kareus/out/profile.json", "--require-gpu"]
 
 
 def test_label_values_are_safe_and_unique():

@@ -1,8 +1,9 @@
 """Refusals are visible and children are adopted by UID only — on the real API server and admission.
 
-Each case makes the real admission chain refuse a child (no ServiceAccount, a ResourceQuota, a Pod
-Security level): the job must show a False condition naming the cause and an Event carrying the
-API server's message within 30 s, and go on by itself once the cause is fixed. A job deleted and
+Each case makes the real admission chain refuse a child's pods (no ServiceAccount, a ResourceQuota,
+a Pod Security level), which the Job controller reports only as FailedCreate Events: the job must
+show a False condition naming the cause and an Event carrying the API server's message within
+30 s, and go on by itself once the cause is fixed (the Job controller retries the pods). A job deleted and
 re-created under the same name while the old children linger (their deletion blocked by a
 finalizer) must never use them.
 """
@@ -31,10 +32,13 @@ def api(dev_cluster, tmp_path_factory):
     dev_cluster.uninstall(objects)
 
 
-def submit(jobs: client.CustomObjectsApi, namespace: str, name: str = "job") -> dict:
+def submit(jobs: client.CustomObjectsApi, namespace: str, name: str = "job", overrides: list | None = None) -> dict:
     job = yaml.safe_load(QUICKSTART.read_text())
     job["metadata"] = {"name": name, "namespace": namespace}
     del job["spec"]["training"]["command"]  # the fake train command
+    if overrides:
+        job["spec"]["podTemplateOverrides"] = overrides
+        job["spec"]["profiling"] = {"reuse": False}  # the overridden profiling pod must run
     return jobs.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
 
 
@@ -83,10 +87,14 @@ def test_a_resource_quota_is_reported_and_lifting_it_resumes(api):
     assert succeeded(wait_job(jobs, "quota", succeeded))
 
 
-def test_pod_security_is_reported_and_relaxing_it_resumes(api):
+def test_pod_security_restricted_admits_the_workers_and_rejects_a_hostpath_override(api):
     core, jobs = api
     core.patch_namespace("psa", {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
-    submit(jobs, "psa")
+    submit(jobs, "psa", "plain")
+    assert succeeded(wait_job(jobs, "psa", succeeded, name="plain"))  # every phase's pods pass `restricted`
+    submit(jobs, "psa", overrides=[{"roles": ["profile"], "spec": {
+        "volumes": [{"name": "host", "hostPath": {"path": "/var/run"}}],
+        "volumeMounts": [{"name": "host", "mountPath": "/host"}]}}])
     assert_refused(core, jobs, "psa", "PodSecurityRejected", 'violates PodSecurity "restricted:latest"')
     core.patch_namespace("psa", {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "privileged"}}})
     assert succeeded(wait_job(jobs, "psa", succeeded))
@@ -115,5 +123,5 @@ def test_a_recreated_job_never_uses_the_old_jobs_children(api):
     assert plan.metadata.uid != old_plan.metadata.uid
     assert [o.uid for o in plan.metadata.owner_references] == [new["metadata"]["uid"]]
     assert done["status"]["plan"]["configMap"] == "same-plan"
-    train = core.read_namespaced_pod("same-train-0", "stale")
+    train = client.BatchV1Api(core.api_client).read_namespaced_job("same-train", "stale")
     assert [o.uid for o in train.metadata.owner_references] == [new["metadata"]["uid"]]

@@ -98,7 +98,11 @@ def test_key_is_stable_label_safe_and_covers_what_measurements_depend_on():
     key = profile_key(job)
     assert key == profile_key(job.spec) == profile_key(load_job(QUICKSTART))
     assert LABEL_VALUE.match(key) and len(key) <= 63
-    assert key.startswith("tiny-a100-sxm4-40gb-tp2cp1pp1-s64-b4-")
+    assert key.startswith("sim-tiny-a100-sxm4-40gb-tp2cp1pp1-s64-b4-")  # the quickstart profiles the simulator
+    # The same job measured on a real GPU has another key: a simulated profile never passes for it.
+    real = profile_key(job, simulated=False)
+    assert real.startswith("tiny-a100-sxm4-40gb-tp2cp1pp1-s64-b4-") and real != key
+    assert profile_key(job, simulated=False, gpu_product="NVIDIA H100 80GB HBM3").startswith("tiny-h100-80gb-hbm3-")
     others = {
         profile_key(_with_parallelism(job, micro_batch_size=8)),
         profile_key(_with_parallelism(job, activation_checkpointing=False)),

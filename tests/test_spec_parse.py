@@ -51,7 +51,7 @@ def test_quickstart_is_the_documented_job():
     assert spec.objective == MaxThroughput()
     assert spec.gpu_product == "A100-SXM4-40GB"
     assert spec.training.command == ("kareus", "train")
-    assert spec.profiling.reuse and spec.profiling.backend == "auto" and spec.profiling.preset == "default"
+    assert spec.profiling.reuse and spec.profiling.backend == "sim" and spec.profiling.preset == "default"
     assert spec.profiling.measurement_seconds == 5.0 and spec.backoff_limit == 3 and not spec.suspend
     assert spec.managed_by_kareus
 

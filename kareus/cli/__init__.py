@@ -28,8 +28,12 @@ COMMANDS: tuple[tuple[str, str, str | None], ...] = (
     ("plan", "plan_show", "plan"),
     ("sim", "sim_sweep", "sim"),
     ("sim", "sim_mbo", "sim"),
+    ("sim", "sim_straggler", "sim"),
+    ("sim", "sim_power_budget", "sim"),
+    ("sim", "sim_calibrate", "sim"),
     ("clock", "clock", "clock"),
     ("dev-cluster", "dev_cluster", None),
+    ("report", "report", None),
 )
 
 GROUP_HELP = {

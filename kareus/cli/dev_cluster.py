@@ -4,7 +4,10 @@ It starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler of th
 (`make kube` builds them; KAREUS_KUBE_BIN or KUBEBUILDER_ASSETS name prebuilt ones), one or more
 emulated GPU nodes (kubelet stand-ins that run pods as local processes and advertise simulated
 GPUs), and the Helm chart — the CRD, RBAC, the operator Deployment and the node agent DaemonSet —
-then writes an admin kubeconfig and prints `ready`. Ctrl-C stops everything it started.
+and a real Prometheus (Debian's package) that scrapes what the chart's ServiceMonitors and
+PodMonitors select and evaluates its alerts; then writes an admin kubeconfig, prints the API and
+Prometheus URLs (open `<prometheus>/graph` for the live series) and `ready`. Ctrl-C stops
+everything it started.
 Everything listens on 127.0.0.1 only. docs/operator.md says exactly what the nodes emulate.
 """
 
@@ -35,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="operator setting (repeatable; chart value operator.settings)")
     parser.add_argument("--worker-namespace", action="append", default=[], metavar="NS",
                         help="namespace that gets the workers' ServiceAccount (repeatable; default: default)")
+    parser.add_argument("--no-prometheus", action="store_true",
+                        help="do not run Prometheus (by default a real one scrapes what the chart's monitors "
+                             "select; `make prometheus` installs it)")
     parser.set_defaults(func=run)
 
 
@@ -56,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     options = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_product": args.gpu_product,
                "taint_gpus": args.taint_gpu_nodes, "operator": not args.no_operator,
                "node_agent": not args.no_node_daemon, "operator_args": args.operator_arg,
-               "operator_settings": settings, "worker_namespaces": args.worker_namespace or ["default"]}
+               "operator_settings": settings, "worker_namespaces": args.worker_namespace or ["default"],
+               "prometheus": not args.no_prometheus}
     with contextlib.suppress(KeyboardInterrupt):
         cluster.serve(workdir, args.kubeconfig, **options)
     return 0

@@ -4,8 +4,9 @@ Two jobs with the same key can share a profile (the operator caches profiles by 
 covers everything a measurement depends on: the GPU model, the full model shape (not only its
 name: explicit shapes differ), the parallelism, the sequence length, the microbatch size,
 activation checkpointing and the Kareus version (a new simulator or profiler invalidates old
-profiles). The objective, the number of training steps and the profiling preset are not in it:
-they change what is chosen, not what is measured.
+profiles), and whether the GPU was simulated: a simulated profile is keyed `sim-…`, so it is
+never taken for a real GPU's. The objective, the number of training steps and the profiling
+preset are not in it: they change what is chosen, not what is measured.
 
 The key is a readable prefix plus a 10-hex-digit hash of all of the above, lower case, at most 63
 characters and made of `[a-z0-9.-]`, so it is a valid Kubernetes label value and file name.
@@ -25,12 +26,19 @@ MAX_KEY_CHARS = 63
 _HASH_CHARS = 10
 
 
-def profile_key(job: Any, *, software_version: str = __version__) -> str:
-    """The stable, label-safe profile key of a `KareusJob` or `JobSpec`."""
+def profile_key(job: Any, *, simulated: bool | None = None, gpu_product: str | None = None,
+                software_version: str = __version__) -> str:
+    """The stable, label-safe profile key of a `KareusJob` or `JobSpec`.
+
+    `simulated` defaults to what the job asks for (`profiling.backend: sim`); `gpu_product` to the
+    job's (the profiler passes the GPU it measured when the job pins none)."""
     spec = job_spec_of(job)
+    if simulated is None:
+        simulated = getattr(getattr(spec, "profiling", None), "backend", None) == "sim"
     descriptor = describe_job(spec)
-    gpu = gpu_label(str(spec.gpu_product))
+    gpu = gpu_label(str(gpu_product or spec.gpu_product))
     identity = {
+        "simulated": simulated,
         "gpu": gpu,
         "shape": asdict(spec.model_shape()),
         "job": asdict(descriptor),
@@ -38,7 +46,7 @@ def profile_key(job: Any, *, software_version: str = __version__) -> str:
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:_HASH_CHARS]
     readable = (
-        f"{descriptor.model}-{gpu}-tp{descriptor.tp}cp{descriptor.cp}pp{descriptor.pp}"
+        f"{'sim-' if simulated else ''}{descriptor.model}-{gpu}-tp{descriptor.tp}cp{descriptor.cp}pp{descriptor.pp}"
         f"-s{descriptor.seq_len}-b{descriptor.micro_batch_size}"
     )
     readable = LABEL_UNSAFE.sub("-", readable.lower())[: MAX_KEY_CHARS - _HASH_CHARS - 1].strip("-.")

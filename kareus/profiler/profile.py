@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus import __version__
-from kareus.errors import KareusError
+from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.job import describe_job
 from kareus.profiler.backends import WORK_KINDS, ProfilerBackend, SimBackend
 from kareus.profiler.document import (
@@ -71,8 +71,9 @@ def clock_grid(supported_mhz: tuple[int, ...], *, step_mhz: int = CLOCK_STEP_MHZ
 
 def resolve_backend(backend: str | ProfilerBackend, gpu_product: str, *, noise_std: float = 0.0,
                     seed: int = 0, num_gpus: int = 1, measurement_s: float = 5.0,
-                    cooldown_s: float = 5.0) -> ProfilerBackend:
-    """A backend object for a backend name (`auto` = NVML when a GPU is visible, else simulated)."""
+                    cooldown_s: float = 5.0, require_gpu: bool = False) -> ProfilerBackend:
+    """A backend object for a backend name (`auto` = NVML when a GPU is visible, else simulated,
+    unless `require_gpu`: then no visible GPU is an error, exit code 78)."""
     if isinstance(backend, ProfilerBackend):
         return backend
     if backend not in BACKENDS:
@@ -82,6 +83,11 @@ def resolve_backend(backend: str | ProfilerBackend, gpu_product: str, *, noise_s
 
         if backend == "nvml" or nvml_available():
             return NvmlBackend(num_gpus=num_gpus, measurement_s=measurement_s, cooldown_s=cooldown_s)
+        if require_gpu:
+            raise KareusError(f"no GPU is visible to this process (profiling.backend auto for {gpu_product}): "
+                              "NVML found no device, so the profile would be the simulator's; give the pod its "
+                              "GPUs, or set spec.profiling.backend: sim to plan on the simulated GPU",
+                              exit_code=EXIT_CONFIG)
     return SimBackend(gpu_product, noise_std=noise_std, seed=seed)
 
 
@@ -110,11 +116,10 @@ def _type_seed(seed: int, name: str) -> int:
 def profile_job(job_spec: Any, *, backend: str | ProfilerBackend = "sim", preset: str = "default",
                 seed: int = 0, store_path: str | Path | None = None,
                 progress: Callable[[ProfileProgress], None] | None = None,
-                noise_std: float = 0.0) -> ProfileDocument:
+                noise_std: float = 0.0, require_gpu: bool = False) -> ProfileDocument:
     """Profile every partition type of `job_spec` (a `KareusJob` or `JobSpec`) and its per-clock work."""
     spec = getattr(job_spec, "spec", job_spec)
     descriptor = describe_job(spec)
-    key = profile_key(spec)
     workload = build_workload(
         spec.model_shape(), tp=descriptor.tp, cp=descriptor.cp, pp=descriptor.pp, seq_len=descriptor.seq_len,
         micro_batch_size=descriptor.micro_batch_size, activation_checkpointing=descriptor.activation_checkpointing)
@@ -122,7 +127,11 @@ def profile_job(job_spec: Any, *, backend: str | ProfilerBackend = "sim", preset
     device = resolve_backend(
         backend, spec.gpu_product, noise_std=noise_std, seed=seed, num_gpus=descriptor.tp * descriptor.cp,
         measurement_s=getattr(profiling, "measurement_seconds", 5.0),
-        cooldown_s=getattr(profiling, "cooldown_seconds", 5.0))
+        cooldown_s=getattr(profiling, "cooldown_seconds", 5.0), require_gpu=require_gpu)
+    # A job that pins no product is keyed by the GPU measured; a simulated one says so in its key.
+    simulated = isinstance(device, SimBackend)
+    measured_gpu = None if simulated or getattr(spec, "gpu_pinned", True) else device.gpu_name
+    key = profile_key(spec, simulated=simulated, gpu_product=measured_gpu)
     algorithm = get_algorithm(preset)
     with device:
         clocks = clock_grid(device.supported_clocks_mhz())

@@ -6,28 +6,41 @@ DESIGN.md §2.1: every GPU pays static power for the whole iteration, bubbles in
 - `SimulatedEnergy` (CPU runs): each instruction of the schedule is executed by the simulator
   (`Simulator.instruction(stage_workload, direction, clock, configs or None)`) on the job's GPU
   model; the iteration time is the finish time of the 1F1B pipeline DAG over those instruction
-  times (F(s,m) after F(s−1,m), B(s,m) after B(s+1,m), each stage in its own order). Deterministic,
-  so computed once per schedule.
+  times (F(s,m) after F(s−1,m), B(s,m) after B(s+1,m), each stage in its own order) —
+  `kareus.sim.replica`, which the twin's what-ifs use too. Deterministic, so computed once per
+  schedule (and per clock ceiling of a simulated straggler).
 - `MeasuredEnergy` (CUDA): the NVML energy counter of this rank's GPU (through `kareus.gpu`),
   read at step boundaries; the trainer sums the ranks. The GPU is found by UUID only — CUDA and
   NVML number devices differently under `CUDA_VISIBLE_DEVICES`, so an index would read another
   GPU — and a UUID NVML does not know is an error (`EnergyAttributionError`), never a guess. Under
   MIG NVML's counter covers the whole card (every instance's work, not this one's), so MIG is
   refused with that reason rather than measured wrongly.
+- `TwinEnergy` (CPU runs on a node whose simulated GPUs are shared devices, the dev cluster's
+  emulated nodes: `KAREUS_SIM_GPU_DIR` and the pod's GPU UUIDs in `NVIDIA_VISIBLE_DEVICES`): this
+  local rank's GPU is `NVIDIA_VISIBLE_DEVICES[LOCAL_RANK]`; every step the rank adds its modelled
+  per-GPU energy (and modelled GPU time) to that GPU's counter and reads its step energy back as
+  the counter's rise since the previous step — the way `MeasuredEnergy` laps NVML's counter —
+  and the node agent exports the same counter (`kareus.gpu.simdevice`). Without such a device the
+  modelled energy is used as it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kareus.errors import KareusError
 from kareus.runtime.schedule import RunInstruction, Schedule
-from kareus.workload.partitions import PartitionConfig, Workload
+from kareus.workload.partitions import Workload
 
 if TYPE_CHECKING:
     from kareus.gpu import GPUDevice
+    from kareus.gpu.simdevice import SharedSimulatedGPU
+
+log = logging.getLogger("kareus.runtime")
 
 
 @dataclass(frozen=True)
@@ -40,10 +53,16 @@ class IterationEnergy:
 
 
 class SimulatedEnergy:
-    """Modelled time and energy of one iteration of `schedule` on `gpu_product` GPUs."""
+    """Modelled time and energy of one iteration of `schedule` on `gpu_product` GPUs.
 
-    def __init__(self, workload: Workload, gpu_product: str, schedule: Schedule, gpus_per_stage: int) -> None:
+    `clock_ceiling_mhz` caps every clock (a slower simulated GPU: the `KAREUS_SIM_STRAGGLER` knob);
+    `replica` keeps the per-replica numbers (`kareus.sim.replica.ReplicaIteration`), so a replica
+    that waits for a slower one can be charged static power for the wait."""
+
+    def __init__(self, workload: Workload, gpu_product: str, schedule: Schedule, gpus_per_stage: int, *,
+                 clock_ceiling_mhz: float | None = None) -> None:
         from kareus.sim import Simulator, get_gpu  # the simulator is only needed for CPU accounting
+        from kareus.sim.replica import replica_iteration
 
         self.gpu = get_gpu(gpu_product)
         self.simulator = Simulator(self.gpu)
@@ -51,55 +70,23 @@ class SimulatedEnergy:
         self.gpus_per_stage = gpus_per_stage
         if len(workload.stages) != schedule.num_stages:
             raise KareusError(f"schedule has {schedule.num_stages} stages, the job {len(workload.stages)}")
-        self.result = self._iteration(schedule)
+        self.clock_ceiling_mhz = clock_ceiling_mhz
+        self.replica = replica_iteration(self.simulator, workload, schedule.stages, clock_ceiling_mhz=clock_ceiling_mhz)
+        per_gpu = self.replica.stage_gpu_energy_j()
+        self.result = IterationEnergy(self.replica.time_s, self.gpus_per_stage * sum(per_gpu), per_gpu)
 
     def _instruction(self, stage: int, ins: RunInstruction) -> tuple[float, float]:
-        clock = ins.clock_mhz or self.gpu.clock_max_mhz
-        configs = self._configs(ins)
-        m = self.simulator.instruction(self.workload.stages[stage], ins.kind, clock, configs)
-        return m.time_s, m.effective_energy_j
+        """(time_s, effective energy per GPU) of one instruction."""
+        from kareus.sim.replica import instruction_cost
 
-    def _configs(self, ins: RunInstruction) -> dict[str, PartitionConfig] | None:
-        types = self.workload.partition_types
-        if ins.mode == "sequential" or not types:
-            return None
-        given = {**ins.recompute_configs, **ins.configs}
-        needed = self.workload.stages[0].instances(ins.kind)
-        return {name: given.get(name) or types[name].default_config() for name in needed}
-
-    def _iteration(self, schedule: Schedule) -> IterationEnergy:
-        costs = [[self._instruction(s, ins) for ins in stage] for s, stage in enumerate(schedule.stages)]
-        time_s = pipeline_time_s(schedule, [[t for t, _ in stage] for stage in costs])
-        p_static = self.gpu.p_static_w
-        per_gpu = tuple(sum(e for _, e in stage) + p_static * time_s for stage in costs)
-        return IterationEnergy(time_s, self.gpus_per_stage * sum(per_gpu), per_gpu)
+        return instruction_cost(self.simulator, self.workload, stage, ins, clock_ceiling_mhz=self.clock_ceiling_mhz)
 
 
 def pipeline_time_s(schedule: Schedule, times_s: list[list[float]]) -> float:
     """Finish time of the pipeline DAG given each instruction's duration."""
-    num_stages = schedule.num_stages
-    done: dict[tuple[int, str, int], float] = {}
-    cursor = [0] * num_stages
-    clock = [0.0] * num_stages
-    remaining = sum(len(stage) for stage in schedule.stages)
-    while remaining:
-        progressed = False
-        for s in range(num_stages):
-            while cursor[s] < len(schedule.stages[s]):
-                ins = schedule.stages[s][cursor[s]]
-                dep = (s - 1, "forward", ins.microbatch) if ins.kind == "forward" else (s + 1, "backward",
-                                                                                      ins.microbatch)
-                if 0 <= dep[0] < num_stages and dep not in done:
-                    break
-                start = max(clock[s], done.get(dep, 0.0))
-                clock[s] = start + times_s[s][cursor[s]]
-                done[(s, ins.kind, ins.microbatch)] = clock[s]
-                cursor[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise KareusError("schedule deadlocks: a stage waits for an instruction that never runs")
-    return max(clock)
+    from kareus.sim.replica import pipeline_time_s as dag_time_s
+
+    return dag_time_s(schedule.stages, times_s)
 
 
 class EnergyAttributionError(KareusError):
@@ -153,6 +140,55 @@ class MeasuredEnergy:
 
     def lap_j(self) -> float:
         """Energy since the previous lap (or construction)."""
+        now = self.device.energy_j()
+        spent, self._start_j = now - self._start_j, now
+        return spent
+
+
+class TwinEnergy:
+    """This rank's simulated GPU as a shared device: modelled work goes onto its counter, and the
+    step's energy is read back from the counter, as from NVML's on a real GPU."""
+
+    def __init__(self, device: SharedSimulatedGPU) -> None:
+        self.device = device
+        self._start_j = device.energy_j()
+
+    @classmethod
+    def from_env(cls, gpu_product: str, environ: Mapping[str, str] = os.environ) -> TwinEnergy | None:
+        """The GPU `NVIDIA_VISIBLE_DEVICES[LOCAL_RANK]` in `KAREUS_SIM_GPU_DIR`; None without both."""
+        from kareus.gpu.simdevice import (
+            SIM_GPU_DIR_ENV,
+            VISIBLE_DEVICES_ENV,
+            SharedSimulatedGPU,
+            sim_index,
+            visible_uuids,
+        )
+
+        directory, visible = environ.get(SIM_GPU_DIR_ENV), visible_uuids(environ.get(VISIBLE_DEVICES_ENV))
+        if not directory or not visible:
+            return None
+        local_rank = int(environ.get("LOCAL_RANK", "0"))
+        if local_rank >= len(visible):
+            # Two ranks on one GPU would each read the other's work in the counter's rise (as on
+            # NVML): count the modelled energy rather than double-count.
+            log.warning("local rank %d has no simulated GPU of its own (%s names %d); using modelled energy",
+                        local_rank, VISIBLE_DEVICES_ENV, len(visible))
+            return None
+        uuid = visible[local_rank]
+        return cls(SharedSimulatedGPU(gpu_product, sim_index(uuid), device_dir=directory, uuid=uuid))
+
+    @property
+    def uuid(self) -> str:
+        return self.device.uuid
+
+    def step_j(self, energy_j: float, time_s: float) -> float:
+        """Account one step's modelled work (this GPU's energy, the modelled iteration time) and
+        return the step's energy as the counter says: its rise since the previous step."""
+        self.device.account_work(energy_j, time_s)
+        return self.lap_j()
+
+    def lap_j(self) -> float:
+        """Energy on the counter since the previous lap (or construction)."""
         now = self.device.energy_j()
         spent, self._start_j = now - self._start_j, now
         return spent

@@ -41,6 +41,16 @@ class StepRecord:
     # its ClockControlDegraded condition from "degraded".
     clock_control: str = "none"
     clock_control_reason: str = ""
+    # Straggler-aware re-selection: why the latest revision happened ("rollout", "straggler",
+    # "recovered"; "" for the starting plan), the frontier row this rank's replica ran, every
+    # replica's row and own time (before the gradient all-reduce), and the slowest replica's
+    # slowdown over the next (its index when beyond the threshold).
+    plan_revision_reason: str = ""
+    plan_frontier_row: int | None = None
+    replica_frontier_rows: list[int] | None = None
+    replica_time_s: list[float] | None = None
+    straggler_replica: int | None = None
+    straggler_slowdown: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -67,7 +77,7 @@ class MetricsExporter:
 
     def __init__(self, port: int, *, addr: str = "0.0.0.0", rank: int = 0, stage: int = 0,
                  job: str = "", plan: dict[str, str] | None = None) -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
         self.registry = CollectorRegistry()
         labels = {"rank": str(rank), "stage": str(stage), "kareusjob": job}
@@ -83,6 +93,15 @@ class MetricsExporter:
         self._energy_gpu = self._energy.labels(**labels, scope="gpu")
         self._energy_job = self._energy.labels(**labels, scope="job")
         self._tpj = gauge(metric_names.TOKENS_PER_JOULE, "Tokens trained per joule in the last iteration.").labels(**labels)
+        self._row = gauge(metric_names.PLAN_FRONTIER_ROW,
+                          "Frontier row of the plan this rank's replica runs (straggler re-selection).").labels(**labels)
+        self._slowdown = gauge(metric_names.REPLICA_SLOWDOWN_RATIO,
+                               "How much slower the slowest data-parallel replica was than the next (fraction).",
+                               ).labels(**labels)
+        self._reselections = Counter(metric_names.STRAGGLER_RESELECTIONS_TOTAL,
+                                     "Straggler re-selections (reason=straggler) and returns (reason=recovered).",
+                                     [*names, "reason"], registry=self.registry)
+        self._revision_seen = 0
         self._labels = labels
         self._plan_info: Gauge | None = None
         self._gauge = gauge
@@ -102,6 +121,13 @@ class MetricsExporter:
         self._energy_gpu.set(gpu_energy_j)
         self._energy_job.set(record.energy_j)
         self._tpj.set(record.tokens_per_joule)
+        if record.plan_frontier_row is not None:
+            self._row.set(record.plan_frontier_row)
+        if record.straggler_slowdown is not None:
+            self._slowdown.set(record.straggler_slowdown)
+        if record.plan_revision > self._revision_seen and record.plan_revision_reason in ("straggler", "recovered"):
+            self._reselections.labels(**self._labels, reason=record.plan_revision_reason).inc()
+        self._revision_seen = record.plan_revision
 
     def close(self) -> None:
         self.server.shutdown()

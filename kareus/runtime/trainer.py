@@ -12,6 +12,11 @@ With `plan_path` the plan file is watched: a changed plan (the operator re-selec
 objective) takes effect on every rank at the same step boundary, or is rejected with one log line
 (`kareus.runtime.reload`). Every step records which plan revision ran and whether this job's clock
 control works (`clock_control`: active, none, degraded — the operator's ClockControlDegraded).
+
+With data parallelism the replicas share their iteration times every step; when one is slower for
+a few steps the others re-select a cheaper frontier point of the same plan, and return when it
+recovers (`kareus.runtime.straggler`, `kareus.straggler`); train.jsonl records each such revision
+with its reason.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from kareus.errors import KareusError
 from kareus.runtime.clocking import CudaProgress, HostProgress
 from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, load_tokens
-from kareus.runtime.energy import EnergyAttributionError, MeasuredEnergy, SimulatedEnergy
+from kareus.runtime.energy import EnergyAttributionError, MeasuredEnergy, SimulatedEnergy, TwinEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
 from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
 from kareus.runtime.model import StageLayout, StageModel
@@ -41,6 +46,8 @@ from kareus.runtime.parallel import DistContext, Layout, NodeGroup, init_distrib
 from kareus.runtime.pipeline import StageExecutor
 from kareus.runtime.reload import PlanRollout, broadcast_bytes
 from kareus.runtime.schedule import Schedule
+from kareus.runtime.straggler import SIM_STRAGGLER_ENV, BusyTimer, SimStraggler, StragglerRuntime
+from kareus.straggler import Decision, StragglerPolicy, plan_at_row
 from kareus.workload.models import ModelShape
 from kareus.workload.partitions import build_workload, split_layers
 
@@ -82,6 +89,13 @@ class TrainConfig:
     plan_digest: str | None = None  # SHA-256 of the plan file's bytes the run started with
     schedule_mode: str = "plan"  # "sequential": every plan (also a rolled-out one) runs un-nanobatched
     clock_lead_s: float = 0.005  # a clock request goes out this long before the GPU's instruction boundary
+    # Straggler-aware re-selection (data parallelism): threshold, patience and recovery of `kareus.straggler`.
+    straggler_reselect: bool = True
+    straggler_threshold: float = 0.05
+    straggler_patience_steps: int = 3
+    straggler_recovery_steps: int = 3
+    # Test/demo knob: one simulated replica slower (`REPLICA:SLOWDOWN[@FIRST-END]`, runtime.straggler).
+    sim_straggler: str | None = field(default_factory=lambda: os.environ.get(SIM_STRAGGLER_ENV) or None)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -97,6 +111,12 @@ class TrainConfig:
             raise KareusError(f"steps must be >= 0, got {self.steps}")
         if self.clock_lead_s < 0:
             raise KareusError(f"clock_lead_s must be >= 0, got {self.clock_lead_s}")
+        self.straggler_policy  # noqa: B018 — validates the straggler settings
+        SimStraggler.parse(self.sim_straggler)
+
+    @property
+    def straggler_policy(self) -> StragglerPolicy:
+        return StragglerPolicy(self.straggler_threshold, self.straggler_patience_steps, self.straggler_recovery_steps)
 
     @property
     def layout(self) -> Layout:
@@ -131,8 +151,10 @@ class TrainResult:
     clock_log: tuple[ClockRequest, ...]
     out_dir: str | None = None
     metrics_port: int | None = None
-    plan_revisions: tuple[int, ...] = ()  # per step: 0 the starting plan, +1 at every roll-out
+    plan_revisions: tuple[int, ...] = ()  # per step: 0 the starting plan, +1 at every roll-out or re-selection
     clock_control: tuple[str, ...] = ()  # per step: active | none | degraded (any rank)
+    frontier_rows: tuple[int | None, ...] = ()  # per step: the frontier row this rank's replica ran
+    straggler_decisions: tuple[Decision, ...] = ()  # the re-selections, as every rank decided them
 
 
 def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
@@ -152,6 +174,8 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                        device=ctx.device, dtype=DTYPES[config.dtype])
     tp, cp = _comms(ctx, config, schedule, cuda)
     meter = _nvml_meter(ctx) if cuda else None
+    # On CPU, the node's simulated GPU when it is a shared device (dev cluster): the agent reads it too.
+    twin = TwinEnergy.from_env(config.gpu_product) if meter is None else None
     if clock is None:
         clock = connect(config.daemon_socket, _my_gpus(config.daemon_socket, meter), job=config.job_name or None)
     progress = CudaProgress() if cuda else HostProgress()
@@ -162,7 +186,12 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     batcher = Batcher(load_tokens(config.data_path, config.shape.vocab_size), config.seq_len,
                       config.micro_batch_size, config.num_microbatches, config.dp, config.seed)
     source = "nvml" if meter else "simulated"
-    running = _Running(config, schedule, plan, None if meter else _simulated_energy(config, schedule))
+    knob = SimStraggler.parse(config.sim_straggler) if not meter else None
+    running = _Running(config, schedule, plan, simulate=meter is None, slowdown=knob.slowdown if knob else 0.0)
+    straggle = StragglerRuntime(ctx, dp=config.dp, plan=plan, policy=config.straggler_policy,
+                                enabled=config.straggler_reselect, knob=knob)
+    timer = BusyTimer(cuda)
+    decisions: list[Decision] = []
     rollout = _rollout(ctx, config, executor) if config.plan_path else None
     running.digest = config.plan_digest or (rollout.digest if rollout else None)
     optimizer = _optimizer(config, model)
@@ -175,72 +204,145 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             if step_hook is not None:
                 step_hook(step)
             if rollout is not None and (new := rollout.check(step)) is not None:
-                running.switch(ctx, step, new.plan, new.built, new.digest, executor, outputs, (tp, cp), meter)
-            simulated = running.simulated
+                running.switch(ctx, step, new.plan, new.built, new.digest, executor, outputs, (tp, cp))
+                straggle.rolled_out(new.plan)
+            simulated = running.simulated(straggle.slowed(step))
             start = time.perf_counter()
+            timer.start()
             optimizer.zero_grad(set_to_none=True)
             batches = [_my_chunk(x, y, ctx.cp_rank, config.cp)
                        for x, y in batcher.microbatches(step, ctx.dp_rank, ctx.device)]
             local_loss = executor.run(batches, 1.0 / batcher.tokens_per_step, step)
+            timer.stop()
             _sync_gradients(ctx, model)
             optimizer.step()
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            gpu_j = meter.lap_j() if meter else simulated.stage_gpu_energy_j[ctx.pp_rank]
+            # The replicas' own times (before the gradient all-reduce made them wait for each other).
+            replica_s = straggle.replica_times(simulated.time_s if simulated else timer.seconds()) \
+                if straggle.exchanges else None
+            modelled_s = (max(replica_s) if replica_s else simulated.time_s) if simulated else None
+            gpu_j = meter.lap_j() if meter else simulated.stage_gpu_energy_j(modelled_s)[ctx.pp_rank]
+            if twin is not None:  # onto the GPU's counter, and read back from it as from NVML's
+                gpu_j = twin.step_j(gpu_j, modelled_s)
             loss, elapsed, job_j, control = _reduce_step(ctx, local_loss, elapsed, gpu_j, clock)
+            rows_ran = straggle.rows
+            decision = straggle.observe(step, replica_s) if replica_s is not None else None
             record = StepRecord(step, loss, elapsed, job_j, batcher.tokens_per_step,
                                 batcher.tokens_per_step / job_j if job_j > 0 else 0.0,
-                                simulated.time_s if simulated else None, source, outputs.clock_summary,
-                                *running.record_fields(), *control)
+                                modelled_s, source, outputs.clock_summary, *running.record_fields(), *control,
+                                **running.straggler_fields(straggle, rows_ran, replica_s))
             outputs.write(record, gpu_j)
             records.append(record)
+            if decision is not None:  # every rank decided the same: the replicas switch before the next step
+                running.reselect(ctx, decision, executor, outputs, (tp, cp))
+                decisions.append(decision)
     finally:
         outputs.close()
         follower.close()
         clock.close()
-    simulated = running.simulated
     result = TrainResult(tuple(r.loss for r in records), tuple(r.iteration_time_s for r in records),
                          tuple(r.energy_j for r in records), batcher.tokens_per_step, source,
-                         simulated.time_s if simulated else None, tuple(follower.log), config.out_dir,
+                         records[-1].modelled_time_s if records else None, tuple(follower.log), config.out_dir,
                          outputs.metrics_port, tuple(r.plan_revision for r in records),
-                         tuple(r.clock_control for r in records))
+                         tuple(r.clock_control for r in records), tuple(running.rows_run),
+                         tuple(decisions))
     return result, (model if keep_model else None)
 
 
 class _Running:
-    """The plan this rank follows now, and what depends on it."""
+    """The plan this rank's replica follows now, and what depends on it.
 
-    def __init__(self, config: TrainConfig, schedule: Schedule, plan, simulated) -> None:
-        self.config, self.schedule, self.plan, self.simulated = config, schedule, plan, simulated
+    `base_plan` is the plan the run started with or last rolled out (the objective's point);
+    straggler re-selection runs other rows of its frontier (`row`)."""
+
+    def __init__(self, config: TrainConfig, schedule: Schedule, plan, *, simulate: bool, slowdown: float = 0.0) -> None:
+        self.config, self.schedule, self.plan, self.base_plan = config, schedule, plan, plan
         self.revision = 0
+        self.reason = ""  # why the latest revision: rollout | straggler | recovered
         self.digest: str | None = None  # rank 0 knows the starting plan file's
+        self.row: int | None = plan.selected_row if plan is not None else None
+        self.rows_run: list[int | None] = []
         self.sms_in_use = schedule.comm_sms_in_use()
+        self._simulate = simulate
+        self._models: dict[bool, object] = {}
+        # A simulated straggler's GPU is a physical property: its ceiling makes the *starting*
+        # schedule `slowdown` slower and stays the same when plans change.
+        self.ceiling_mhz = _straggler_ceiling_mhz(config, schedule, slowdown) if simulate and slowdown else None
+
+    def simulated(self, slowed: bool = False):
+        """This replica's modelled iteration (`ReplicaIteration`), on the slowed GPU if `slowed`; None on NVML."""
+        if not self._simulate:
+            return None
+        slowed = slowed and self.ceiling_mhz is not None
+        if slowed not in self._models:
+            ceiling = self.ceiling_mhz if slowed else None
+            self._models[slowed] = _simulated_energy(self.config, self.schedule, ceiling).replica
+        return self._models[slowed]
 
     def record_fields(self) -> tuple:
         """plan_revision, predicted time and energy, digest (as `StepRecord` orders them)."""
+        self.rows_run.append(self.row)
         predicted = self.plan.predicted if self.plan is not None else None
         return (self.revision, predicted.iteration_time_s if predicted else None,
                 predicted.iteration_energy_j if predicted else None, self.digest)
 
+    def straggler_fields(self, straggle: StragglerRuntime, rows: list[int] | None,
+                         replica_s: list[float] | None) -> dict:
+        """The re-selection state of this step for `StepRecord` (rows: what every replica ran)."""
+        return {"plan_revision_reason": self.reason, "plan_frontier_row": self.row, "replica_frontier_rows": rows,
+                "replica_time_s": replica_s, "straggler_replica": straggle.straggler,
+                "straggler_slowdown": straggle.slowdown}
+
     def switch(self, ctx: DistContext, step: int, plan, schedule: Schedule, digest: str, executor: StageExecutor,
-               outputs: _Outputs, comms: tuple[GroupComm, GroupComm], meter: MeasuredEnergy | None) -> None:
+               outputs: _Outputs, comms: tuple[GroupComm, GroupComm]) -> None:
         """Every rank, same step: follow `schedule` (already checked by every rank) from now on."""
         old = self.plan.predicted if self.plan is not None else None
-        executor.switch(schedule.stages[ctx.pp_rank])
-        self._add_comm_groups(ctx, schedule, comms)
-        self.plan, self.schedule, self.revision, self.digest = plan, schedule, self.revision + 1, digest
-        self.simulated = None if meter else _simulated_energy(self.config, schedule)
-        outputs.switch(schedule, _plan_labels(plan))
+        self._follow(ctx, plan, schedule, executor, outputs, comms, schedule.comm_sms_in_use())
+        self.base_plan, self.row = plan, plan.selected_row
+        self.revision, self.digest, self.reason = self.revision + 1, digest, "rollout"
         if ctx.rank == 0:
             was = f"{old.iteration_time_s:.6g} s, {old.iteration_energy_j:.6g} J" if old else "no plan"
             log.info("plan revision %d (sha256 %s…, objective %s) takes effect at step %d: predicted iteration "
                      "%.6g s, %.6g J (was %s)", self.revision, digest[:12], _plan_labels(plan)["objective"], step,
                      plan.predicted.iteration_time_s, plan.predicted.iteration_energy_j, was)
 
-    def _add_comm_groups(self, ctx: DistContext, schedule: Schedule, comms: tuple[GroupComm, GroupComm]) -> None:
-        """CUDA: one communicator per SM count the new plan adds (every rank, same order)."""
-        new_sms = schedule.comm_sms_in_use() - self.sms_in_use
+    def reselect(self, ctx: DistContext, decision: Decision, executor: StageExecutor, outputs: _Outputs,
+                 comms: tuple[GroupComm, GroupComm]) -> None:
+        """Every rank, same step boundary: each replica runs its row of `decision` (rows of the
+        base plan's frontier) from the next step on. Every rank adds the communicators of every
+        replica's new schedule, so the collective group creation matches on all ranks."""
+        plans = {row: plan_at_row(self.base_plan, row) for row in set(decision.rows)}
+        schedules = {row: schedule_for_plan(p, self.config, self.config.schedule_mode) for row, p in plans.items()}
+        needed = set().union(*(sch.comm_sms_in_use() for sch in schedules.values()))
+        mine = decision.rows[ctx.dp_rank]
+        if mine != self.row:
+            _check(self.config, schedules[mine])
+            self._follow(ctx, plans[mine], schedules[mine], executor, outputs, comms, needed)
+            self.row = mine
+        else:
+            self._add_comm_groups(ctx, needed, comms)
+        self.revision, self.reason = self.revision + 1, decision.reason
+        if ctx.rank == 0:
+            rows = ", ".join(f"replica {r}: row {row} ({plans[row].predicted.iteration_time_s:.6g} s, "
+                             f"{plans[row].predicted.iteration_energy_j:.6g} J)" for r, row in enumerate(decision.rows))
+            why = (f"replica {decision.straggler} is {decision.slowdown:.1%} slower than the others"
+                   if decision.reason == "straggler" else "no replica is slower any more")
+            log.info("plan revision %d (%s: %s) takes effect at step %d: %s", self.revision, decision.reason, why,
+                     decision.step + 1, rows)
+
+    def _follow(self, ctx: DistContext, plan, schedule: Schedule, executor: StageExecutor, outputs: _Outputs,
+                comms: tuple[GroupComm, GroupComm], sms: set[int]) -> None:
+        executor.switch(schedule.stages[ctx.pp_rank])
+        self._add_comm_groups(ctx, sms, comms)
+        self.plan, self.schedule = plan, schedule
+        self._models.clear()
+        outputs.switch(schedule, _plan_labels(plan))
+
+    def _add_comm_groups(self, ctx: DistContext, sms: set[int], comms: tuple[GroupComm, GroupComm]) -> None:
+        """CUDA: one communicator per SM count not yet in use (every rank, same order)."""
+        new_sms = sms - self.sms_in_use
         self.sms_in_use |= new_sms
         if ctx.device.type != "cuda" or not new_sms:
             return
@@ -248,7 +350,16 @@ class _Running:
         layout = self.config.layout
         for comm, all_ranks, my_ranks in ((tp, layout.tp_groups(), ctx.tp_ranks), (cp, layout.cp_groups(), ctx.cp_ranks)):
             if comm.size > 1:
-                comm.groups_by_sms.update(nccl_groups_by_sms(all_ranks, my_ranks, new_sms, ctx.device))
+                comm.groups_by_sms.update(nccl_groups_by_sms(all_ranks, my_ranks, sorted(new_sms), ctx.device))
+
+
+def _straggler_ceiling_mhz(config: TrainConfig, schedule: Schedule, slowdown: float) -> float:
+    """The clock ceiling that makes `schedule` `slowdown` slower on the job's simulated GPU."""
+    from kareus.sim import get_gpu
+    from kareus.sim.replica import ceiling_for_slowdown
+
+    return ceiling_for_slowdown(lambda c: _simulated_energy(config, schedule, c).replica.time_s,
+                                get_gpu(config.gpu_product), slowdown)
 
 
 def _rollout(ctx: DistContext, config: TrainConfig, executor: StageExecutor) -> PlanRollout:
@@ -335,12 +446,13 @@ def _nvml_meter(ctx: DistContext) -> MeasuredEnergy | None:
         return None
 
 
-def _simulated_energy(config: TrainConfig, schedule: Schedule):
+def _simulated_energy(config: TrainConfig, schedule: Schedule, clock_ceiling_mhz: float | None = None) -> SimulatedEnergy:
     mbs = config.micro_batch_size + config.micro_batch_size % 2  # the workload counts nanobatch pairs
     workload = build_workload(config.shape, tp=config.tp, cp=config.cp, pp=config.pp, seq_len=config.seq_len,
                               micro_batch_size=mbs, activation_checkpointing=config.activation_checkpointing,
                               stage_layers=config.layers_per_stage)
-    return SimulatedEnergy(workload, config.gpu_product, schedule, config.tp * config.cp * config.dp).result
+    return SimulatedEnergy(workload, config.gpu_product, schedule, config.tp * config.cp * config.dp,
+                           clock_ceiling_mhz=clock_ceiling_mhz)
 
 
 def _optimizer(config: TrainConfig, model: StageModel) -> torch.optim.Optimizer:
@@ -414,7 +526,7 @@ class _Outputs:
         self._mode_labels = {k: v for k, v in config.plan_labels.items() if k not in ("method", "objective")}
 
     def switch(self, schedule: Schedule, plan_labels: dict[str, str]) -> None:
-        """A new plan: its clock summary, and its labels on `kareus_plan_info`."""
+        """A new plan (or frontier row): its clock summary, and its labels on `kareus_plan_info`."""
         self.clock_summary = _clock_summary(schedule)
         if self.exporter:
             self.exporter.set_plan({"mode": _mode_summary(schedule), **self._mode_labels, **plan_labels})

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from kareus.spec.fields import FieldError, Fields, SpecError, as_integer, describe, is_integer, parse_rfc3339
+from kareus.spec.overrides import read_overrides
 from kareus.spec.types import (
     DEFAULT_GPU_PRODUCT,
     EXPLICIT_REQUIRED,
@@ -210,9 +211,10 @@ def _read_spec(value: Any, path: str, errors: list[FieldError]) -> JobSpec | Non
     gpu = spec.mapping("gpu")
     gpu_product = None
     if gpu is not None:
-        gpu_product = gpu.string("product", DEFAULT_GPU_PRODUCT, max_length=63, pattern=LABEL_VALUE,
+        gpu_product = gpu.string("product", None, max_length=63, pattern=LABEL_VALUE,
                                  hint=" (a node label value such as NVIDIA-A100-SXM4-40GB)")
         gpu.finish()
+    overrides = read_overrides(spec, _read_env, _read_resources)
     suspend = spec.boolean("suspend", False)
     managed_by = spec.string("managedBy", None, max_length=63, pattern=DOMAIN_PATH,
                              hint=" (a domain-prefixed path such as kareus.dev/operator)")
@@ -223,8 +225,9 @@ def _read_spec(value: Any, path: str, errors: list[FieldError]) -> JobSpec | Non
     if len(errors) > before:
         return None
     job_spec = JobSpec(model=model, sequence_length=sequence_length, parallelism=parallelism,
-                       objective=objective, training=training, profiling=profiling, gpu_product=gpu_product,
-                       suspend=suspend, managed_by=managed_by, active_deadline_seconds=active_deadline,
+                       objective=objective, training=training, profiling=profiling,
+                       gpu_product=gpu_product or DEFAULT_GPU_PRODUCT, gpu_pinned=gpu_product is not None,
+                       pod_overrides=overrides or (), suspend=suspend, managed_by=managed_by, active_deadline_seconds=active_deadline,
                        ttl_seconds_after_finished=ttl, backoff_limit=backoff_limit)
     errors.extend(cross_field_errors(job_spec, path))
     return None if len(errors) > before else job_spec
@@ -457,10 +460,11 @@ def cross_field_errors(spec: JobSpec, path: str = "spec") -> list[FieldError]:
 def immutable_changes(old: JobSpec, new: JobSpec, path: str = "spec") -> list[FieldError]:
     """Fields changed between two `JobSpec`s that may not change once training started.
 
-    Only `objective` (re-selects a plan from the stored frontier) and `suspend` may change; the CRD
-    enforces the same with a transition rule keyed on `status.trainingStartTime`.
+    Only `objective` (re-selects a plan from the stored frontier), `suspend` and
+    `podTemplateOverrides` (they shape child Jobs created after the change: a restarted gang) may
+    change; the CRD enforces the same with a transition rule keyed on `status.trainingStartTime`.
     """
     before, after = old.to_dict(), new.to_dict()
-    keys = sorted((set(before) | set(after)) - {"objective", "suspend"})
+    keys = sorted((set(before) | set(after)) - {"objective", "suspend", "podTemplateOverrides"})
     return [FieldError(f"{path}.{key}", "is immutable once training started (only objective and suspend "
                        "may change)") for key in keys if before.get(key) != after.get(key)]

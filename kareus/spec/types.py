@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, ClassVar
 
+from kareus.spec.overrides import PodOverride
 from kareus.workload.models import ModelShape, get_preset
 
 DEFAULT_GPU_PRODUCT = "A100-SXM4-40GB"
@@ -233,7 +234,10 @@ class JobSpec:
     objective: Objective
     training: TrainingSpec
     profiling: ProfilingSpec = ProfilingSpec()
+    # The product to plan for; a node selector only when the manifest names it (`gpu_pinned`).
     gpu_product: str = DEFAULT_GPU_PRODUCT
+    gpu_pinned: bool = False
+    pod_overrides: tuple[PodOverride, ...] = ()
     suspend: bool = False
     managed_by: str | None = None
     active_deadline_seconds: int | None = None
@@ -260,7 +264,8 @@ class JobSpec:
             "objective": self.objective.to_dict(),
             "training": self.training.to_dict(),
             "profiling": self.profiling.to_dict(),
-            "gpu": {"product": self.gpu_product},
+            "gpu": {"product": self.gpu_product} if self.gpu_pinned else {},
+            "podTemplateOverrides": [o.to_dict() for o in self.pod_overrides] or None,
             "suspend": self.suspend,
             "managedBy": self.managed_by,
             "activeDeadlineSeconds": self.active_deadline_seconds,

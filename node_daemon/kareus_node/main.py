@@ -1,10 +1,11 @@
 """`kareus-node`: the command line of the node daemon.
 
 Wires the parts together — GPUs from `kareus.gpu` (NVML, or simulated with `--backend sim`), an
-authorizer (the kubelet's view, or `--standalone` with an allow-list), the journal in
-`--state-dir`, the policy file, the metrics endpoint — restores what a previous instance left
-locked, then serves until SIGTERM/SIGINT, when it resets every GPU it still holds.
-Once serving it prints one line: ``kareus-node: serving socket=… metrics=http://host:port …``.
+authorizer (the kubelet's view, or `--standalone` with an allow-list; with `--listen-tcp` also the
+TokenReview one for TCP callers), the journal in `--state-dir`, the policy file, the metrics
+endpoint — restores what a previous instance left locked, then serves until SIGTERM/SIGINT, when
+it resets every GPU it still holds.
+Once serving it prints one line: ``kareus-node: serving socket=… tcp=host:port metrics=http://host:port …``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,15 @@ from pathlib import Path
 from kareus import incluster as in_cluster
 from kareus.errors import KareusError
 from kareus.gpu import BACKENDS, discover
-from kareus_node.auth import Authorizer, KubeletAuthorizer, StandaloneAuthorizer, load_allow_list
+from kareus_node.auth import (
+    Authorizer,
+    KubeletAuthorizer,
+    StandaloneAuthorizer,
+    TokenAuthorizer,
+    load_allow_list,
+)
 from kareus_node.config import NodeConfig, load_config
+from kareus_node.identity import enter_host_cgroup_namespace
 from kareus_node.journal import Journal, JournalError
 from kareus_node.metrics import DaemonMetrics, serve_http
 from kareus_node.podresources import DEFAULT_SOCKET, PodResourcesClient
@@ -42,11 +50,17 @@ DEFAULT_METRICS_PORT = 9402
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kareus-node", description="Kareus node daemon: authorised GPU clock control and GPU metrics.")
     parser.add_argument("--socket", default=DEFAULT_DAEMON_SOCKET, help="Unix socket of the local API")
+    parser.add_argument("--listen-tcp", metavar="HOST:PORT", type=_host_port, default=None,
+                        help="also serve the API on TCP (callers authenticate with a ServiceAccount token; cluster mode)")
     parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="where the lease journal lives (hostPath)")
     parser.add_argument("--backend", choices=BACKENDS, default="nvml", help="GPU backend")
     parser.add_argument("--sim-gpus", type=_positive_int, default=1, help="number of simulated GPUs (--backend sim)")
     parser.add_argument("--sim-product", default="A100-SXM4-40GB", help="simulated GPU model (--backend sim)")
     parser.add_argument("--sim-mig", default="", help="comma-separated indices of simulated GPUs with MIG enabled")
+    parser.add_argument("--sim-device-dir", default=os.environ.get("KAREUS_SIM_GPU_DIR") or None,
+                        help="the node's shared simulated GPUs (one state file each, which the pods allocated them "
+                             "account their work on; default $KAREUS_SIM_GPU_DIR, which the dev cluster's device "
+                             "plugin sets); without it the simulated GPUs are this process's own (--backend sim)")
     parser.add_argument("--standalone", action="store_true", help="no kubelet: authorise by uid/gid allow-list")
     parser.add_argument("--allow-list", help="standalone allow-list file (default: only this daemon's uid, all GPUs)")
     parser.add_argument("--config", help="policy file (YAML; see docs/node-daemon.md)")
@@ -65,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.log_format, args.log_level)
+    if not args.standalone:
+        # Before any thread starts (grpc, asyncio's executor): a thread stays in the cgroup
+        # namespace it was created in, and /proc/<pid>/cgroup is rendered relative to the reader's.
+        note = enter_host_cgroup_namespace(args.proc_root)
+        if note:
+            log.warning("%s", note)
     try:
         return asyncio.run(_run(args))
     except KareusError as error:
@@ -73,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
+    if args.listen_tcp and args.standalone:
+        raise KareusError("--listen-tcp: TCP callers authenticate with ServiceAccount tokens, which needs cluster mode, not --standalone")
     config = load_config(args.config)
     if args.dry_run:
         config = dataclasses.replace(config, dry_run=True)
@@ -81,8 +103,9 @@ async def _run(args: argparse.Namespace) -> int:
         journal = Journal(args.state_dir)
     except JournalError as error:
         raise KareusError(str(error)) from None
-    daemon = Daemon(gpus, _authorizer(args, config), config, journal, node_name=args.node_name,
-                    recheck=not args.standalone)
+    authorizer, token_authorizer = _authorizers(args, config, gpus)
+    daemon = Daemon(gpus, authorizer, config, journal, node_name=args.node_name,
+                    recheck=not args.standalone, token_authorizer=token_authorizer)
     metrics = DaemonMetrics()
     daemon.observe = metrics.observe
     restored = daemon.restore()
@@ -104,14 +127,16 @@ async def _run(args: argparse.Namespace) -> int:
     def announce() -> None:
         host, port = http.server_address[:2]
         mode = "standalone" if args.standalone else "kubelet"
-        print(f"kareus-node: serving socket={args.socket} metrics=http://{host}:{port} gpus={len(gpus)} "
+        tcp = f" tcp={_format_host_port(*daemon.tcp_address)}" if daemon.tcp_address else ""
+        print(f"kareus-node: serving socket={args.socket}{tcp} metrics=http://{host}:{port} gpus={len(gpus)} "
               f"mode={mode} dry_run={str(config.dry_run).lower()}", flush=True)
 
     try:
-        await daemon.serve(args.socket, on_ready=announce)
+        await daemon.serve(args.socket, on_ready=announce, tcp=args.listen_tcp)
     except OSError as error:
         daemon.stop()
-        raise KareusError(f"--socket {args.socket}: cannot serve ({error.strerror or error})") from None
+        where = f"--socket {args.socket}" if daemon._server is None else f"--listen-tcp {_format_host_port(*args.listen_tcp)}"
+        raise KareusError(f"{where}: cannot serve ({error.strerror or error})") from None
     finally:
         heartbeat.cancel()
         http.shutdown()
@@ -122,20 +147,40 @@ async def _run(args: argparse.Namespace) -> int:
 def _open_gpus(args: argparse.Namespace) -> list:
     if args.backend == "sim":
         mig = tuple(int(i) for i in args.sim_mig.split(",") if i.strip())
-        # Simulated GPUs persist their lock in the state dir, as a real GPU keeps it across a daemon crash.
+        # Simulated GPUs persist their lock in the state dir, as a real GPU keeps it across a daemon crash;
+        # shared ones (the node's devices, which the pods' runtimes account their work on) keep it in the device.
         return discover("sim", count=args.sim_gpus, product=args.sim_product, node=args.node_name,
-                        mig_indices=mig, state_dir=Path(args.state_dir) / "sim")
+                        mig_indices=mig, state_dir=Path(args.state_dir) / "sim", device_dir=args.sim_device_dir)
     return discover("nvml")
 
 
-def _authorizer(args: argparse.Namespace, config: NodeConfig) -> Authorizer:
+def _authorizers(args: argparse.Namespace, config: NodeConfig, gpus: list) -> tuple[Authorizer, Authorizer | None]:
+    """(the Unix socket's authorizer, the TCP listener's or None)."""
     if args.standalone:
-        return StandaloneAuthorizer(load_allow_list(args.allow_list) if args.allow_list else None)
+        return StandaloneAuthorizer(load_allow_list(args.allow_list) if args.allow_list else None), None
     api_url = args.kube_api or in_cluster.api_url()
     if not api_url:
         raise KareusError("no Kubernetes API server: run in a pod, pass --kube-api URL, or use --standalone")
     pods = PodDirectory(api_url, args.node_name)
-    return KubeletAuthorizer(config, pods, PodResourcesClient(args.pod_resources_socket), proc_root=args.proc_root)
+    # The device plugin may name GPUs by NVML index instead of UUID (DEVICE_ID_STRATEGY=index).
+    pod_resources = PodResourcesClient(args.pod_resources_socket, gpu_index={gpu.index: gpu.uuid for gpu in gpus})
+    kubelet = KubeletAuthorizer(config, pods, pod_resources, proc_root=args.proc_root)
+    if not args.listen_tcp:
+        return kubelet, None
+    return kubelet, TokenAuthorizer(config, pods, pod_resources, pods.api, node_name=args.node_name)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """`HOST:PORT` or `[v6]:PORT` → (host, port)."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdecimal() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def _format_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def _heartbeat(metrics: DaemonMetrics) -> None:

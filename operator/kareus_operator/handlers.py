@@ -37,6 +37,8 @@ from kareus_operator.settings import LABEL_JOB, PREFIX, Settings
 
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
 _RETRY_S = 2.0
+# The children whose changes drive a job: its phase Jobs, their pods, its ConfigMaps.
+CHILD_KINDS = (("batch/v1", "jobs"), ("v1", "pods"), ("v1", "configmaps"))
 log = logging.getLogger(__name__)
 API_VERSION = f"{GROUP}/{VERSION}"
 
@@ -105,6 +107,7 @@ class Controller:
             if written is not None:
                 self._written[key] = written["metadata"]["resourceVersion"]
         self.metrics.observe(job["metadata"]["uid"], outcome.status["phase"])
+        self.metrics.observe_status(job, outcome.status)
         for type_, reason, message in outcome.events:
             await self._post_event(job, type_, reason, message)
         if outcome.requeue_s is not None:
@@ -157,14 +160,15 @@ class Controller:
             handle.cancel()
 
     async def watch_children(self, namespaces: list[str]) -> None:
-        """Reconcile a job when one of its labelled pods or ConfigMaps changes."""
-        await asyncio.gather(*(self._watch_children(plural, namespace)
-                               for plural in ("pods", "configmaps") for namespace in namespaces or [None]))
+        """Reconcile a job when one of its labelled Jobs, pods or ConfigMaps changes."""
+        await asyncio.gather(*(self._watch_children(api_version, plural, namespace)
+                               for api_version, plural in CHILD_KINDS for namespace in namespaces or [None]))
 
-    async def _watch_children(self, plural: str, namespace: str | None) -> None:
+    async def _watch_children(self, api_version: str, plural: str, namespace: str | None) -> None:
         while True:
             try:
-                async for event in self.kube.watch_events(path("v1", plural, namespace), {"labelSelector": LABEL_JOB}):
+                async for event in self.kube.watch_events(path(api_version, plural, namespace),
+                                                          {"labelSelector": LABEL_JOB}):
                     meta = event["object"]["metadata"]
                     job = (meta.get("labels") or {}).get(LABEL_JOB)
                     if job:

@@ -141,9 +141,11 @@ class Kube:
                 return None
             raise
 
-    async def list(self, url_path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else None
-        return (await self.request("GET", url_path, params=params)).get("items", [])
+    async def list(self, url_path: str, label_selector: str | None = None, *,
+                   field_selector: str | None = None) -> list[dict[str, Any]]:
+        params = {key: value for key, value in (("labelSelector", label_selector),
+                                                ("fieldSelector", field_selector)) if value}
+        return (await self.request("GET", url_path, params=params or None)).get("items", [])
 
     async def create(self, collection_path: str, body: Mapping[str, Any]) -> tuple[dict[str, Any] | None, bool]:
         """Create; `(object, True)`, or `(existing, False)` when it exists already (409 = done)."""
@@ -188,10 +190,10 @@ class Kube:
                     if event["type"] != "BOOKMARK":
                         yield event
 
-    async def delete(self, url_path: str) -> bool:
-        """Delete (background propagation); False when it was already gone."""
+    async def delete(self, url_path: str, *, propagation: str = "Background") -> bool:
+        """Delete (background propagation unless told); False when it was already gone."""
         try:
-            await self.request("DELETE", url_path, {"propagationPolicy": "Background"})
+            await self.request("DELETE", url_path, {"propagationPolicy": propagation})
         except ApiError as error:
             if error.code == 404:
                 return False

@@ -1,28 +1,44 @@
 """Pure builders of everything the operator creates for a KareusJob (dicts, no API calls).
 
-Names are deterministic (`<job>-profile`, `<job>-optimize`, `<job>-train-<n>`, `<job>-train` for
-the headless Service, `<job>-spec`, `<job>-plan`, `<job>-progress`), so creating twice is a 409 and
-a restarted operator finds what it made. Children carry a controller ownerReference (garbage
-collected with the job) and labels with the job's name, uid, their role, and the job's Kueue queue
-label. The profile cache (`kareus-profile-<key>`) is deliberately *not* owned: it outlives the job
-so the next job with the same profile key reuses it.
+The phases run as Kubernetes Jobs, as Kubeflow Trainer and JobSet run theirs, so the Job
+controller's semantics (pod failure policy, backoff, suspension, Kueue's batch/v1 integration)
+apply unchanged:
 
-Every pod runs its phase command under `kareus-operator publish`, which writes the result (profile,
-plan, training progress) into a ConfigMap with the pod's service account.
+- `<job>-profile`: a batch Job of one pod that requests the job's GPUs per node, scheduled like
+  a training pod, and publishes the profile cache (`kareus-profile-<key>`, deliberately *not*
+  owned: it outlives the job so the next job with the same profile key reuses it);
+- `<job>-optimize`: a batch Job of one CPU pod that publishes the plan (`<job>-plan`);
+- `<job>-train`: an Indexed Job, one pod per node (completion index = node rank), with stable
+  hostnames `<job>-train-<index>.<job>-train.<ns>.svc` through the headless Service of the same
+  name and the rendezvous environment torchrun reads (`PET_*`, `MASTER_ADDR`, `MASTER_PORT`).
+
+Names are deterministic, so creating twice is a 409 and a restarted operator finds what it made.
+Children carry a controller ownerReference (garbage collected with the job) and labels with the
+job's name, uid, their role and the job's Kueue queue; a queued child is created suspended and
+Kueue admits it (all of its pods as one gang). Every pod runs its phase command under
+`kareus-operator publish`, which writes the result into a ConfigMap with the pod's token.
+
+Worker pods satisfy Pod Security `restricted` (non-root, no privilege escalation, all
+capabilities dropped, RuntimeDefault seccomp, no hostPath): they reach the node daemon over
+the node's address with a projected ServiceAccount token of audience `kareus-node`.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
+from kareus.errors import NON_RETRYABLE_EXIT_CODES
 from kareus.spec import JobSpec
 from kareus_operator.settings import (
+    DAEMON_TOKEN_AUDIENCE,
+    DAEMON_TOKEN_DIR,
     JOB_FILE,
     LABEL_JOB,
     LABEL_JOB_UID,
@@ -34,28 +50,40 @@ from kareus_operator.settings import (
     MOUNT_PLAN,
     MOUNT_PROFILE,
     PLAN_FILE,
+    PLAN_FILE_GZ,
     PROFILE_FILE,
     Settings,
 )
 
 API_VERSION = "kareus.dev/v1alpha1"
 KIND = "KareusJob"
+KUEUE_LABELS = (LABEL_QUEUE, "kueue.x-k8s.io/priority-class")
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+CONTAINER = "kareus"
+# The annotation the Job controller gives every pod of an Indexed Job.
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
 
-def profile_pod_name(job_name: str) -> str:
+def profile_job_name(job_name: str) -> str:
     return f"{job_name}-profile"
 
 
-def optimize_pod_name(job_name: str) -> str:
+def optimize_job_name(job_name: str) -> str:
     return f"{job_name}-optimize"
 
 
-def train_pod_name(job_name: str, index: int) -> str:
-    return f"{job_name}-train-{index}"
+def train_job_name(job_name: str) -> str:
+    return f"{job_name}-train"
+
+
+def train_hostname(job_name: str, index: int) -> str:
+    """The hostname the Job controller gives index `index` of the Indexed training Job."""
+    return f"{train_job_name(job_name)}-{index}"
 
 
 def train_service_name(job_name: str) -> str:
-    return f"{job_name}-train"
+    return train_job_name(job_name)
 
 
 def spec_configmap_name(job_name: str) -> str:
@@ -99,18 +127,27 @@ def metrics_port_name(local_rank: int) -> str:
     return "metrics" if local_rank == 0 else f"metrics-{local_rank}"
 
 
+def gpu_node_label(product: str) -> str:
+    """GPU Feature Discovery's spelling of a product (`NVIDIA-A100-SXM4-40GB`)."""
+    return product if product.startswith("NVIDIA") else f"NVIDIA-{product}"
+
+
 def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
     meta = job["metadata"]
     return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
             "controller": True, "blockOwnerDeletion": True}
 
 
+def queue_name(job: Mapping[str, Any]) -> str | None:
+    return (job["metadata"].get("labels") or {}).get(LABEL_QUEUE) or None
+
+
 def child_labels(job: Mapping[str, Any], role: str) -> dict[str, str]:
     meta = job["metadata"]
     labels = {LABEL_JOB: meta["name"], LABEL_JOB_UID: meta["uid"], LABEL_ROLE: role}
-    queue = (meta.get("labels") or {}).get(LABEL_QUEUE)
-    if queue:
-        labels[LABEL_QUEUE] = queue  # Kueue admits/preempts by it; children must carry it too
+    # Kueue's batch/v1 integration admits a child Job by its queue and orders and preempts it by
+    # its WorkloadPriorityClass: both are the KareusJob's.
+    labels |= {key: value for key, value in (meta.get("labels") or {}).items() if key in KUEUE_LABELS and value}
     return labels
 
 
@@ -141,48 +178,133 @@ def _owner_arg(job: Mapping[str, Any]) -> str:
     return f"{API_VERSION}/{KIND}/{meta['name']}/{meta['uid']}"
 
 
-def _pod(job: Mapping[str, Any], name: str, role: str, image: str, command: list[str],
-         volumes: list[tuple[str, dict[str, Any], str]], settings: Settings,
-         env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """A run-once pod; `volumes` are (name, volume source, mount path)."""
-    job_volume = ("job", {"configMap": {"name": spec_configmap_name(job["metadata"]["name"])}}, MOUNT_JOB)
-    out_volume = ("out", {"emptyDir": {}}, MOUNT_OUT)
-    all_volumes = [job_volume, out_volume, *volumes]
-    pod_env = [{"name": "KAREUS_JOB_NAME", "value": job["metadata"]["name"]},
-               {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
-    pod_env += [{"name": k, "value": v} for k, v in {**settings.extra_pod_env, **(env or {})}.items()]
-    return {
-        "apiVersion": "v1", "kind": "Pod", "metadata": _metadata(job, name, role),
-        "spec": {
-            "restartPolicy": "Never",
-            "serviceAccountName": settings.service_account,
-            "containers": [{
-                "name": "kareus", "image": image, "command": command, "env": pod_env,
-                "volumeMounts": [{"name": n, "mountPath": m} for n, _, m in all_volumes],
-            }],
-            "volumes": [{"name": n, **source} for n, source, _ in all_volumes],
-        },
-    }
+# ---------------------------------------------------------------------- pod templates
+
+Volume = tuple[str, dict[str, Any], str]  # (name, volume source, mount path)
+
+_RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
+                   "seccompProfile": {"type": "RuntimeDefault"}}
+_RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                         "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def profile_pod(job: Mapping[str, Any], spec: JobSpec, settings: Settings, profile_key: str) -> dict[str, Any]:
+def _pod_template(job: Mapping[str, Any], spec: JobSpec, role: str, image: str, command: list[str],
+                  volumes: Sequence[Volume], settings: Settings, *, gpus: int = 0,
+                  env: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The pod of one phase; with `gpus`, a GPU pod: it requests them, tolerates the GPU taint,
+    gets a memory-backed /dev/shm for NCCL and a token for the node daemon."""
+    all_volumes = [("job", {"configMap": {"name": spec_configmap_name(job["metadata"]["name"])}}, MOUNT_JOB),
+                   ("out", {"emptyDir": {}}, MOUNT_OUT), *volumes]
+    pod_env: list[dict[str, Any]] = [
+        {"name": "KAREUS_JOB_NAME", "value": job["metadata"]["name"]},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    container: dict[str, Any] = {"name": CONTAINER, "image": image, "command": command,
+                                 "securityContext": copy.deepcopy(_RESTRICTED_CONTAINER),
+                                 "terminationMessagePolicy": "FallbackToLogsOnError"}
+    pod_spec: dict[str, Any] = {"restartPolicy": "Never", "serviceAccountName": settings.service_account,
+                                "securityContext": copy.deepcopy(_RESTRICTED_POD), "containers": [container]}
+    if gpus:
+        all_volumes += [("dshm", {"emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}}, "/dev/shm"),
+                        ("node-token", {"projected": {"sources": [{"serviceAccountToken": {
+                            "audience": DAEMON_TOKEN_AUDIENCE, "expirationSeconds": 3600, "path": "token"}}]}},
+                         DAEMON_TOKEN_DIR)]
+        pod_env += [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+                    {"name": "KAREUS_DAEMON_ADDRESS", "value": f"$(HOST_IP):{settings.node_daemon_port}"},
+                    {"name": "KAREUS_DAEMON_TOKEN_FILE", "value": f"{DAEMON_TOKEN_DIR}/token"}]
+        container["resources"] = {"limits": {GPU_RESOURCE: str(gpus)}}
+        pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+        if spec.gpu_pinned:
+            pod_spec["nodeSelector"] = {GPU_PRODUCT_LABEL: gpu_node_label(spec.gpu_product)}
+    pod_env += [{"name": k, "value": v} for k, v in settings.extra_pod_env.items()]
+    container["env"] = [*pod_env, *env]
+    container["volumeMounts"] = [{"name": n, "mountPath": m} for n, _, m in all_volumes]
+    pod_spec["volumes"] = [{"name": n, **source} for n, source, _ in all_volumes]
+    template = {"metadata": {"labels": child_labels(job, role)}, "spec": pod_spec}
+    for override in spec.pod_overrides:
+        if role in override.roles:
+            apply_override(template, override)
+    return template
+
+
+def apply_override(template: dict[str, Any], override: Any) -> None:
+    """Merge one `spec.podTemplateOverrides` entry into a pod template: maps merge (the override
+    wins), lists append, resources merge per resource; the operator's own labels stay."""
+    meta, pod, container = template["metadata"], template["spec"], template["spec"]["containers"][0]
+    own_labels = dict(meta["labels"])
+    meta["labels"] = {**override.labels, **own_labels}
+    if override.annotations:
+        meta["annotations"] = {**meta.get("annotations", {}), **override.annotations}
+    if override.node_selector:
+        pod["nodeSelector"] = {**pod.get("nodeSelector", {}), **override.node_selector}
+    for key, items in (("tolerations", override.tolerations), ("imagePullSecrets", override.image_pull_secrets),
+                       ("volumes", override.volumes)):
+        if items:
+            pod[key] = [*pod.get(key, []), *copy.deepcopy(list(items))]
+    if override.affinity:
+        pod["affinity"] = copy.deepcopy(override.affinity)
+    if override.priority_class_name:
+        pod["priorityClassName"] = override.priority_class_name
+    if override.volume_mounts:
+        container["volumeMounts"] = [*container["volumeMounts"], *copy.deepcopy(list(override.volume_mounts))]
+    if override.env:
+        container["env"] = [*container["env"], *({"name": v.name, "value": v.value} for v in override.env)]
+    if override.resources is not None:
+        resources = container.setdefault("resources", {})
+        for part in ("requests", "limits"):
+            values = getattr(override.resources, part)
+            if values:
+                resources[part] = {**resources.get(part, {}), **values}
+
+
+def _batch_job(job: Mapping[str, Any], name: str, role: str, template: dict[str, Any], *,
+               backoff_limit: int, settings: Settings, completions: int = 1, indexed: bool = False,
+               suspend: bool = False) -> dict[str, Any]:
+    """A batch/v1 Job around one pod template, with the pod failure policy every phase shares:
+    disruptions (preemption, eviction, node drain) do not count against the backoff limit; a
+    non-retryable exit code fails the Job at once."""
+    rules = [{"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                                   "values": list(NON_RETRYABLE_EXIT_CODES)}},
+             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    body: dict[str, Any] = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job, name, role),
+        "spec": {"completions": completions, "parallelism": completions, "backoffLimit": backoff_limit,
+                 "podFailurePolicy": {"rules": rules}, "podReplacementPolicy": "Failed",
+                 "manualSelector": False, "suspend": suspend or queue_name(job) is not None,
+                 "ttlSecondsAfterFinished": None, "template": template}}
+    body["spec"] = {k: v for k, v in body["spec"].items() if v is not None}
+    if indexed:
+        body["spec"]["completionMode"] = "Indexed"
+    return body
+
+
+def profile_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, profile_key: str, *,
+                suspend: bool = False) -> dict[str, Any]:
     out = f"{MOUNT_OUT}/{PROFILE_FILE}"
     phase = _expand(settings.profile_command, {"job": f"{MOUNT_JOB}/{JOB_FILE}", "profile": out,
                                                "out": MOUNT_OUT, "backend": spec.profiling.backend})
+    if spec.profiling.backend == "auto":
+        phase.append("--require-gpu")  # in a pod, `auto` never falls back to the simulator
     publish = [*settings.publish_command, "--configmap", profile_configmap_name(profile_key),
                "--label", f"{LABEL_PROFILE_KEY}={label_value(profile_key)}", "--file", f"{PROFILE_FILE}={out}", "--"]
-    return _pod(job, profile_pod_name(job["metadata"]["name"]), "profile", settings.image, publish + phase, [], settings)
+    template = _pod_template(job, spec, "profile", settings.image, publish + phase, [], settings,
+                             gpus=spec.training.gpus_per_node)
+    return _batch_job(job, profile_job_name(job["metadata"]["name"]), "profile", template,
+                      backoff_limit=spec.backoff_limit, settings=settings, suspend=suspend)
 
 
-def optimize_pod(job: Mapping[str, Any], settings: Settings, profile_key: str) -> dict[str, Any]:
+def optimize_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, profile_key: str, *,
+                 suspend: bool = False) -> dict[str, Any]:
     name = job["metadata"]["name"]
     out = f"{MOUNT_OUT}/{PLAN_FILE}"
     phase = _expand(settings.optimize_command, {"job": f"{MOUNT_JOB}/{JOB_FILE}", "out": MOUNT_OUT,
                                                 "profile": f"{MOUNT_PROFILE}/{PROFILE_FILE}", "plan": out})
     publish = [*settings.publish_command, "--configmap", plan_configmap_name(name), "--owner", _owner_arg(job),
-               "--label", f"{LABEL_JOB}={name}", "--file", f"{PLAN_FILE}={out}", "--"]
+               "--label", f"{LABEL_JOB}={name}", "--gzip-file", f"{PLAN_FILE_GZ}={out}", "--"]
     profile_volume = ("profile", {"configMap": {"name": profile_configmap_name(profile_key)}}, MOUNT_PROFILE)
-    return _pod(job, optimize_pod_name(name), "optimize", settings.image, publish + phase, [profile_volume], settings)
+    template = _pod_template(job, spec, "optimize", settings.image, publish + phase, [profile_volume], settings)
+    return _batch_job(job, optimize_job_name(name), "optimize", template, backoff_limit=spec.backoff_limit,
+                      settings=settings, suspend=suspend)
 
 
 def train_service(job: Mapping[str, Any]) -> dict[str, Any]:
@@ -194,43 +316,44 @@ def train_service(job: Mapping[str, Any]) -> dict[str, Any]:
                      "ports": [{"name": "rendezvous", "port": master_port(job["metadata"]["uid"])}]}}
 
 
-def train_pod(job: Mapping[str, Any], spec: JobSpec, settings: Settings, index: int) -> dict[str, Any]:
+def train_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, *, suspend: bool = False) -> dict[str, Any]:
+    """The Indexed training Job. Its own backoff limit is 0: one failed rank fails the step for
+    every rank, so the operator restarts the whole gang (as JobSet's failure policy does) and
+    counts restarts against `spec.backoffLimit`; disruptions are ignored by the pod failure policy
+    and restarted by the operator without counting."""
     meta = job["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     training = spec.training
-    values = {"job": f"{MOUNT_JOB}/{JOB_FILE}", "plan": f"{MOUNT_PLAN}/{PLAN_FILE}", "out": MOUNT_OUT,
+    values = {"job": f"{MOUNT_JOB}/{JOB_FILE}", "plan": f"{MOUNT_PLAN}/{PLAN_FILE_GZ}", "out": MOUNT_OUT,
               "nproc": str(training.gpus_per_node)}
     command = list(training.command) or list(settings.train_command)
     command += _expand(settings.train_args, values) + list(training.args)
-    if index == 0:
-        command = [*settings.publish_command, "--configmap", progress_configmap_name(name), "--owner", _owner_arg(job),
-                   "--label", f"{LABEL_JOB}={name}", "--follow", f"{MOUNT_OUT}/train.jsonl",
-                   "--interval-s", str(settings.progress_interval_s), "--", *command]
-    env = {
-        "MASTER_ADDR": f"{train_pod_name(name, 0)}.{train_service_name(name)}.{namespace}.svc",
-        "MASTER_PORT": str(master_port(meta["uid"])), "NNODES": str(training.nodes), "NODE_RANK": str(index),
-        "NPROC_PER_NODE": str(training.gpus_per_node), "KAREUS_DAEMON_SOCKET": f"{settings.node_socket_dir}/node.sock",
-        "KAREUS_METRICS_PORT": str(metrics_port(meta["uid"])),
-        **{var.name: var.value for var in training.env},
-    }
+    # Every rank runs the publisher; only node rank 0 follows train.jsonl (the others just run).
+    command = [*settings.publish_command, "--configmap", progress_configmap_name(name), "--owner", _owner_arg(job),
+               "--label", f"{LABEL_JOB}={name}", "--follow", f"{MOUNT_OUT}/train.jsonl", "--follow-if-rank0",
+               "--interval-s", str(settings.progress_interval_s), "--", *command]
+    master = f"{train_hostname(name, 0)}.{train_service_name(name)}.{namespace}.svc"
+    port = str(master_port(meta["uid"]))
+    index = {"valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}}
+    env: list[dict[str, Any]] = [
+        {"name": "NODE_RANK", **index}, {"name": "PET_NODE_RANK", **index},
+        *({"name": k, "value": v} for k, v in {
+            "MASTER_ADDR": master, "MASTER_PORT": port, "PET_MASTER_ADDR": master, "PET_MASTER_PORT": port,
+            "NNODES": str(training.nodes), "PET_NNODES": str(training.nodes),
+            "NPROC_PER_NODE": str(training.gpus_per_node), "PET_NPROC_PER_NODE": str(training.gpus_per_node),
+            "KAREUS_METRICS_PORT": str(metrics_port(meta["uid"]))}.items()),
+        *({"name": var.name, "value": var.value} for var in training.env)]
     plan_volume = ("plan", {"configMap": {"name": plan_configmap_name(name)}}, MOUNT_PLAN)
-    socket_volume = ("node-socket", {"hostPath": {"path": settings.node_socket_dir, "type": "DirectoryOrCreate"}},
-                     settings.node_socket_dir)
-    pod = _pod(job, train_pod_name(name, index), "train", training.image, command, [plan_volume, socket_volume],
-               settings, env)
-    pod["metadata"]["labels"][f"{LABEL_ROLE}-index"] = str(index)
-    pod["spec"]["hostname"] = train_pod_name(name, index)
-    pod["spec"]["subdomain"] = train_service_name(name)
-    resources: dict[str, dict[str, str]] = {"limits": {"nvidia.com/gpu": str(training.gpus_per_node)}}
+    template = _pod_template(job, spec, "train", training.image, command, [plan_volume], settings,
+                             gpus=training.gpus_per_node, env=env)
+    pod = template["spec"]
+    pod["subdomain"] = train_service_name(name)
+    container = pod["containers"][0]
     if training.resources is not None:
         for part in ("requests", "limits"):
-            resources.setdefault(part, {}).update(getattr(training.resources, part))
-    pod["spec"]["containers"][0]["resources"] = resources
+            container["resources"].setdefault(part, {}).update(getattr(training.resources, part))
     base = metrics_port(meta["uid"])  # one Prometheus endpoint per local rank (its GPU's series)
-    pod["spec"]["containers"][0]["ports"] = [
-        {"name": metrics_port_name(rank), "containerPort": base + rank, "protocol": "TCP"}
-        for rank in range(training.gpus_per_node)]
-    gpu = (job["spec"].get("gpu") or {}).get("product")
-    if gpu:
-        pod["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": gpu if gpu.startswith("NVIDIA") else f"NVIDIA-{gpu}"}
-    return pod
+    container["ports"] = [{"name": metrics_port_name(rank), "containerPort": base + rank, "protocol": "TCP"}
+                          for rank in range(training.gpus_per_node)]
+    return _batch_job(job, train_job_name(name), "train", template, backoff_limit=0, settings=settings,
+                      completions=training.nodes, indexed=True, suspend=suspend)

@@ -17,7 +17,10 @@ Only the standard library is used: the training image needs no operator dependen
 from __future__ import annotations
 
 import argparse
+import base64
+import gzip
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -76,20 +79,23 @@ class ConfigMapWriter:
         self.name, self.labels, self.owner = name, dict(labels), owner
         self._exists = False  # after the first write, one PATCH per update (not a 409 and a PATCH)
 
-    def write(self, data: Mapping[str, str]) -> None:
+    def write(self, data: Mapping[str, str], binary: Mapping[str, bytes] | None = None) -> None:
         collection = f"/api/v1/namespaces/{self.namespace}/configmaps"
         metadata: dict[str, Any] = {"name": self.name, "labels": self.labels}
         if self.owner:
             metadata["ownerReferences"] = [dict(self.owner)]
+        content: dict[str, Any] = {"data": dict(data)}
+        if binary:
+            content["binaryData"] = {key: base64.b64encode(value).decode() for key, value in binary.items()}
         if not self._exists:
             try:
-                self._send("POST", collection, {"metadata": metadata, "data": dict(data)}, "application/json")
+                self._send("POST", collection, {"metadata": metadata, **content}, "application/json")
                 self._exists = True
                 return
             except urllib.error.HTTPError as error:
                 if error.code != 409:
                     raise
-        self._send("PATCH", f"{collection}/{self.name}", {"metadata": {"labels": self.labels}, "data": dict(data)},
+        self._send("PATCH", f"{collection}/{self.name}", {"metadata": {"labels": self.labels}, **content},
                    "application/merge-patch+json")
         self._exists = True
 
@@ -138,7 +144,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="controller ownerReference (e.g. kareus.dev/v1alpha1/KareusJob/q/UID)")
     parser.add_argument("--file", action="append", default=[], metavar="KEY=PATH",
                         help="after success, store PATH's text under KEY")
+    parser.add_argument("--gzip-file", action="append", default=[], metavar="KEY=PATH",
+                        help="after success, store PATH gzip-compressed under KEY in binaryData (large plans)")
     parser.add_argument("--follow", type=Path, help="train.jsonl to summarise while the command runs")
+    parser.add_argument("--follow-if-rank0", action="store_true",
+                        help="publish only where NODE_RANK is 0 (the Indexed Job's other pods just run)")
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     parser.set_defaults(func=run)
@@ -179,8 +189,11 @@ def run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise SystemExit("kareus-operator publish: no command given after --")
+    if args.follow_if_rank0 and os.environ.get("NODE_RANK", "0") != "0":
+        return _run_only(command)
     writer = ConfigMapWriter(args.configmap, args.namespace, _pairs(args.label, "--label"), _owner(args.owner))
     files = {key: Path(value) for key, value in _pairs(args.file, "--file").items()}
+    packed = {key: Path(value) for key, value in _pairs(args.gzip_file, "--gzip-file").items()}
     child = subprocess.Popen(command)
     signal.signal(signal.SIGTERM, lambda *_: child.terminate())
     stop = threading.Event()
@@ -194,10 +207,17 @@ def run(args: argparse.Namespace) -> int:
         follower.join(timeout=30)
     if code != 0:
         return code
-    missing = [str(p) for p in files.values() if not p.exists()]
+    missing = [str(p) for p in [*files.values(), *packed.values()] if not p.exists()]
     if missing:
         print(f"kareus-operator publish: the command succeeded but wrote no {', '.join(missing)}", file=sys.stderr)
         return 1
-    if files:
-        writer.write({key: p.read_text() for key, p in files.items()})
+    if files or packed:
+        writer.write({key: p.read_text() for key, p in files.items()},
+                     {key: gzip.compress(p.read_bytes(), mtime=0) for key, p in packed.items()})
     return 0
+
+
+def _run_only(command: Sequence[str]) -> int:
+    child = subprocess.Popen(command)
+    signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+    return child.wait()

@@ -20,15 +20,18 @@ resumes exactly where it was, and creating a child twice is a harmless 409.
 
 from __future__ import annotations
 
+import base64
 import copy
+import dataclasses
 import datetime
+import gzip
 import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kareus.errors import KareusError
+from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.plan import Plan, reselect
 from kareus.policy import ClusterPolicy, check_job, load_policy
 from kareus.profiler.key import profile_key
@@ -40,10 +43,27 @@ from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
 from kareus_operator.publish import PROGRESS_KEY
 from kareus_operator.refusals import CONDITION_OF_ROLE, ChildRefused, backoff_s, classify
-from kareus_operator.settings import ANNOTATION_PLAN_REVISION, LABEL_ROLE, PLAN_FILE, PROFILE_FILE, Settings
+from kareus_operator.settings import (
+    ANNOTATION_PLAN_REVISION,
+    LABEL_QUEUE,
+    LABEL_ROLE,
+    PLAN_FILE,
+    PLAN_FILE_GZ,
+    PROFILE_FILE,
+    Settings,
+)
 
 _POLICY_TTL_S = 5.0
 _FAILURE_REASONS = {"profile": "ProfilingFailed", "optimize": "OptimizationFailed", "train": "TrainingFailed"}
+# What the Job controller's Failed reasons mean, for the KareusJob's condition message.
+_JOB_FAILURE = {"BackoffLimitExceeded": "backoffLimit {limit} reached",
+                "PodFailurePolicy": "not retryable: the pod failure policy failed the Job on its exit code",
+                "DeadlineExceeded": "the Job's activeDeadlineSeconds passed"}
+_API_OF = {"jobs": "batch/v1", "pods": "v1", "configmaps": "v1", "services": "v1"}
+_PLURAL_OF = {"Job": "jobs", "Pod": "pods", "ConfigMap": "configmaps", "Service": "services"}
+KUEUE_API = "kueue.x-k8s.io/v1beta2"
+KUEUE_JOB_UID = "kueue.x-k8s.io/job-uid"
+CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 
 
 @dataclass
@@ -66,24 +86,49 @@ def parse_iso(text: str | None) -> float | None:
     return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
 
 
-def pod_phase(pod: Mapping[str, Any] | None) -> str | None:
-    if pod is None or pod["metadata"].get("deletionTimestamp"):
-        return None if pod is None else "Terminating"
-    return (pod.get("status") or {}).get("phase") or "Pending"
+def child_phase(job: Mapping[str, Any] | None) -> str | None:
+    """A phase Job's state: None (absent), Terminating, Succeeded, Failed, Suspended, Running or Pending."""
+    if job is None:
+        return None
+    if job["metadata"].get("deletionTimestamp"):
+        return "Terminating"
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("status") == "True" and condition.get("type") in ("Complete", "Failed"):
+            return "Succeeded" if condition["type"] == "Complete" else "Failed"
+    if (job.get("spec") or {}).get("suspend"):
+        return "Suspended"
+    return "Running" if int((job.get("status") or {}).get("ready") or 0) > 0 else "Pending"
 
 
-def _finished_at(pod: Mapping[str, Any]) -> float | None:
-    times = [parse_iso((s.get("state") or {}).get("terminated", {}).get("finishedAt"))
-             for s in (pod.get("status") or {}).get("containerStatuses", []) or []]
-    return max((t for t in times if t is not None), default=None)
+def job_condition(job: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in (job.get("status") or {}).get("conditions") or []
+                 if c.get("type") == type_ and c.get("status") == "True"), None)
 
 
-def pod_failure(pod: Mapping[str, Any]) -> str:
+def terminated_state(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The failed container's `terminated` state, if one failed."""
     for status in (pod.get("status") or {}).get("containerStatuses", []) or []:
         terminated = (status.get("state") or {}).get("terminated")
         if terminated and terminated.get("exitCode"):
-            return f"pod {pod['metadata']['name']} failed (container {status['name']} exit code {terminated['exitCode']})"
+            return terminated
+    return None
+
+
+def pod_failure(pod: Mapping[str, Any]) -> str:
+    terminated = terminated_state(pod)
+    if terminated is not None:
+        # FallbackToLogsOnError: the message is the container's last log lines; our CLIs end a
+        # failure with one line saying what is wrong, which is what a user needs to read.
+        lines = [line for line in str(terminated.get("message") or "").strip().splitlines() if line.strip()]
+        said = f": {lines[-1].strip()}" if lines else ""
+        return f"pod {pod['metadata']['name']} failed (exit code {terminated['exitCode']}){said}"
     return f"pod {pod['metadata']['name']} failed: {(pod.get('status') or {}).get('message', 'no reason given')}"
+
+
+def disrupted(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod was preempted, evicted or drained (the DisruptionTarget condition)."""
+    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
 
 
 class _Pass:
@@ -98,6 +143,7 @@ class _Pass:
         self.events: list[tuple[str, str, str]] = []
         self.requeue_s: float | None = None
         self.delete_job = False
+        self.child_suspended = False  # the current child Job is held suspended (Kueue)
 
     @property
     def ns(self) -> str:
@@ -167,6 +213,10 @@ class Reconciler:
             return p.outcome()
         try:
             await self._advance(p, spec)
+            self._account_suspension(p, p.child_suspended)
+            if not p.child_suspended and _suspended_for(p) == "Queued":
+                p.want("Suspended", False, "Admitted", "Kueue admitted the current child Job")
+                p.status.pop("resumePhase", None)
         except ChildRefused as refused:
             self._report_refusal(p, refused)
             return p.outcome()
@@ -233,30 +283,73 @@ class Reconciler:
                    for j in jobs) / 3.6e6
 
     async def _past_deadline(self, p: _Pass, spec: JobSpec) -> bool:
+        """`activeDeadlineSeconds` counts active time only: time suspended (by `spec.suspend`, or a
+        child held by Kueue until admission or after preemption) is excluded, as Job does."""
         if spec.active_deadline_seconds is None:
             return False
         started = parse_iso(p.status.get("startTime")) or p.now
-        left_s = started + spec.active_deadline_seconds - p.now
+        suspended_s = float(p.status.get("suspendedSeconds") or 0.0)
+        since = parse_iso(p.status.get("suspendedSince"))
+        if since is not None:
+            return False  # the clock is stopped while suspended
+        left_s = started + suspended_s + spec.active_deadline_seconds - p.now
         if left_s > 0:
             p.requeue(left_s)
             return False
-        await self._stop_pods(p, spec)
+        await self._stop_children(p)
         p.want("Failed", True, "DeadlineExceeded",
-               f"the job ran longer than activeDeadlineSeconds={spec.active_deadline_seconds}")
+               f"the job was active longer than activeDeadlineSeconds={spec.active_deadline_seconds}")
         p.status["completionTime"] = iso(p.now)
         return True
 
     async def _suspended(self, p: _Pass, spec: JobSpec) -> bool:
+        """`spec.suspend` suspends the current child Job (it keeps its place; its pods stop) and
+        resuming unsuspends it, so the job continues from `status.resumePhase`. A child queued in
+        Kueue is suspended and resumed through its Workload (`spec.active`), since Kueue
+        unsuspends an admitted Job it sees suspended."""
+        children = [c for c in [await self._child(p, "jobs", name, role)
+                                for name, role in self._child_jobs(p)] if c is not None]
+        for child in children:
+            if child_phase(child) in ("Succeeded", "Failed", "Terminating"):
+                continue
+            await self._set_child_suspended(p, child, spec.suspend)
         if not spec.suspend:
-            if p.true("Suspended"):
+            if _suspended_for(p) == "Suspended":
                 p.want("Suspended", False, "Resumed", "the job resumed from where it was suspended")
+                p.status.pop("resumePhase", None)
             return False
-        await self._stop_pods(p, spec)
-        if not p.true("Suspended"):
-            p.want("Suspended", True, "Suspended", "spec.suspend is true: pods stopped")
-            if p.true("Planned"):
+        if _suspended_for(p) != "Suspended":
+            p.status["resumePhase"] = _active_phase(p.status.get("phase"))
+            p.want("Suspended", True, "Suspended", "spec.suspend is true: the current child Job is suspended")
+            if p.true("Training"):
                 p.want("Training", False, "Suspended", "training pods stopped; training restarts on resume")
+        self._account_suspension(p, True)
         return True
+
+    def _child_jobs(self, p: _Pass) -> list[tuple[str, str]]:
+        return [(mf.profile_job_name(p.name), "profile"), (mf.optimize_job_name(p.name), "optimize"),
+                (mf.train_job_name(p.name), "train")]
+
+    async def _set_child_suspended(self, p: _Pass, child: Mapping[str, Any], suspend: bool) -> None:
+        name = child["metadata"]["name"]
+        if (child["metadata"].get("labels") or {}).get(LABEL_QUEUE):
+            for workload in await self.kube.list(path(KUEUE_API, "workloads", p.ns),
+                                                 f"{KUEUE_JOB_UID}={child['metadata']['uid']}"):
+                if bool((workload.get("spec") or {}).get("active", True)) == suspend:
+                    await self.kube.merge_patch(path(KUEUE_API, "workloads", p.ns, workload["metadata"]["name"]),
+                                                {"spec": {"active": not suspend}})
+            return
+        if bool((child.get("spec") or {}).get("suspend")) != suspend:
+            await self.kube.merge_patch(path("batch/v1", "jobs", p.ns, name), {"spec": {"suspend": suspend}})
+
+    def _account_suspension(self, p: _Pass, suspended: bool) -> None:
+        """Suspended time, summed into `status.suspendedSeconds` (the active deadline excludes it)."""
+        since = parse_iso(p.status.get("suspendedSince"))
+        if suspended and since is None:
+            p.status["suspendedSince"] = iso(p.now)
+        elif not suspended and since is not None:
+            p.status["suspendedSeconds"] = round(float(p.status.get("suspendedSeconds") or 0.0) + p.now - since, 3)
+            p.status.pop("suspendedSince", None)
 
     def _expire(self, p: _Pass, spec: JobSpec) -> None:
         finished = parse_iso(p.status.get("completionTime"))
@@ -271,47 +364,61 @@ class Reconciler:
     # ------------------------------------------------------------------ phases
 
     async def _profile(self, p: _Pass, spec: JobSpec) -> bool:
-        key = profile_key(spec)
+        key = self._profile_key(p, spec)
         cm_name = mf.profile_configmap_name(key)
         p.status["profile"] = {"key": key, "configMap": cm_name}
         reuse = (await self.policy()).reuse_profiles(spec.profiling.reuse)
         cache = await self.kube.get(path("v1", "configmaps", p.ns, cm_name))
         cached = PROFILE_FILE in ((cache or {}).get("data") or {})
-        pod_name = mf.profile_pod_name(p.name)
-        pod = await self._child(p, "pods", pod_name, "profile")
-        if cached and pod is None and reuse:
+        job_name = mf.profile_job_name(p.name)
+        child = await self._child(p, "jobs", job_name, "profile")
+        if cached and child is None and reuse:
             self.metrics.profile_cache_hit()
             p.status["profile"]["cacheHit"] = True
             p.want("Profiled", True, "CacheHit", f"reused the cached profile {cm_name}")
             return True
-        state = await self._run_pod(p, spec, "profile", pod, lambda: mf.profile_pod(p.job, spec, self.settings, key))
+        state = await self._run_job(p, spec, "profile", child,
+                                    lambda: mf.profile_job(p.job, spec, self.settings, key))
         if state == "Succeeded":
+            if not spec.gpu_pinned and spec.profiling.backend != "sim":
+                key = self._profile_key(p, spec)  # the product it ran on is known now
+                cm_name = mf.profile_configmap_name(key)
+                p.status["profile"] = {"key": key, "configMap": cm_name}
+                cache = await self.kube.get(path("v1", "configmaps", p.ns, cm_name))
+                cached = PROFILE_FILE in ((cache or {}).get("data") or {})
             if not cached:
-                return self._fail(p, "ProfilingFailed", f"pod {pod_name} succeeded but published no profile")
+                return self._fail(p, "ProfilingFailed", f"Job {job_name} succeeded but published no profile {cm_name}")
             p.status["profile"]["cacheHit"] = False
-            p.want("Profiled", True, "Measured", f"profiled by pod {pod_name}; stored in {cm_name}")
+            p.want("Profiled", True, "Measured", f"profiled by Job {job_name}; stored in {cm_name}")
             return True
-        if state == "Failed":
-            return False
-        p.want("Profiled", False, "Retrying" if state == "Retrying" else "Profiling",
-               f"pod {pod_name} is {state.lower()}")
+        if state not in ("Failed", "Suspended"):
+            p.want("Profiled", False, "Profiling", f"Job {job_name} is {state.lower()}")
         return False
+
+    def _profile_key(self, p: _Pass, spec: JobSpec) -> str:
+        """The job's profile key; a job that pins no GPU product is keyed by the product its
+        profiling pod ran on (`status.gpuProduct`), never by the planning default."""
+        product = p.status.get("gpuProduct")
+        if not spec.gpu_pinned and product and spec.profiling.backend != "sim":
+            spec = dataclasses.replace(spec, gpu_product=product)
+        return profile_key(spec)
 
     async def _optimize(self, p: _Pass, spec: JobSpec) -> bool:
         cm_name = mf.plan_configmap_name(p.name)
         plan_cm = await self._child(p, "configmaps", cm_name, "optimize")
-        text = ((plan_cm or {}).get("data") or {}).get(PLAN_FILE)
-        pod_name = mf.optimize_pod_name(p.name)
+        text = plan_text(plan_cm)
+        job_name = mf.optimize_job_name(p.name)
         if text is None:
-            pod = await self._child(p, "pods", pod_name, "optimize")
+            child = await self._child(p, "jobs", job_name, "optimize")
             key = p.status["profile"]["key"]
-            state = await self._run_pod(p, spec, "optimize", pod, lambda: mf.optimize_pod(p.job, self.settings, key))
-            if state == "Failed":
+            state = await self._run_job(p, spec, "optimize", child,
+                                        lambda: mf.optimize_job(p.job, spec, self.settings, key))
+            if state in ("Failed", "Suspended"):
                 return False
             if state != "Succeeded":
-                p.want("Planned", False, "Optimizing", f"pod {pod_name} is {state.lower()}")
+                p.want("Planned", False, "Optimizing", f"Job {job_name} is {state.lower()}")
                 return False
-            return self._fail(p, "OptimizationFailed", f"pod {pod_name} succeeded but published no plan")
+            return self._fail(p, "OptimizationFailed", f"Job {job_name} succeeded but published no plan")
         try:
             summary = PlanSummary.from_json(text)
         except ValueError as error:
@@ -323,40 +430,71 @@ class Reconciler:
 
     async def _train(self, p: _Pass, spec: JobSpec) -> None:
         await self._maybe_reselect(p, spec)
-        names = [mf.train_pod_name(p.name, i) for i in range(spec.training.nodes)]
-        pods = [await self._child(p, "pods", n, "train") for n in names]
+        job_name = mf.train_job_name(p.name)
+        child = await self._child(p, "jobs", job_name, "train")
         await self._measure(p, spec)
-        phases = [pod_phase(pod) for pod in pods]
         p.status.setdefault("trainingStartTime", iso(p.now))
-        p.status["workers"] = {"active": sum(ph in ("Pending", "Running") for ph in phases),
-                               "succeeded": phases.count("Succeeded"), "failed": phases.count("Failed")}
-        if all(ph == "Succeeded" for ph in phases):
-            p.want("Training", False, "Completed", f"{len(names)} training pod(s) succeeded")
+        if child is None:
+            await self._ensure_spec(p)
+            await self._ensure(mf.train_service(p.job))
+            await self._ensure(mf.train_job(p.job, spec, self.settings))
+            p.want("Training", True, "Starting", f"created the Indexed Job {job_name} ({spec.training.nodes} pod(s))")
+            return
+        counts = child.get("status") or {}
+        p.status["workers"] = {key: int(counts.get(key) or 0) for key in ("active", "ready", "succeeded", "failed")}
+        phase = child_phase(child)
+        if phase == "Terminating":
+            p.requeue(1.0)
+            return
+        if phase == "Succeeded":
+            p.want("Training", False, "Completed", f"{spec.training.nodes} training pod(s) succeeded")
             p.want("Complete", True, "Completed", _measured_text(p.status.get("measured")))
             p.status["completionTime"] = iso(p.now)
             self._expire(p, spec)
             return
-        failed = [pod for pod, ph in zip(pods, phases, strict=True) if ph == "Failed"]
-        if failed:
-            await self._retry_gang(p, spec, names, failed)
+        pods = await self._pods_of(p, child)
+        if not pods and phase == "Pending":
+            await self._refused_pods(p, child, "train")
+        await self._record_gpu(p, pods)
+        if phase == "Failed" or any(disrupted(pod) for pod in pods):
+            await self._restart_gang(p, spec, child, pods)
             return
-        if any(ph == "Terminating" for ph in phases):
-            p.requeue(1.0)
+        if phase == "Suspended":
+            self._waiting(p, child, "Training")
             return
-        if any(pod is None for pod in pods):
-            await self._ensure_spec(p)
-            await self._ensure(mf.train_service(p.job))
-        for index, pod in enumerate(pods):
-            if pod is None:
-                await self._ensure(mf.train_pod(p.job, spec, self.settings, index))
-        running = sum(ph == "Running" for ph in phases)
-        p.want("Training", True, "Running", f"{running}/{len(names)} training pod(s) running")
+        p.want("Training", True, "Running", f"{p.status['workers']['ready']}/{spec.training.nodes} training pod(s) ready")
 
-    async def _retry_gang(self, p: _Pass, spec: JobSpec, names: list[str], failed: list[dict[str, Any]]) -> None:
-        """One failed rank fails the step for all: restart every training pod together (as JobSet does)."""
-        p.status["lastFailure"] = pod_failure(failed[0])
-        if await self._retry_after_backoff(p, spec, failed[0], names) or not p.true("Failed"):
-            p.want("Training", False, "Retrying", f"{p.status['lastFailure']}; restarting all ranks")
+    async def _restart_gang(self, p: _Pass, spec: JobSpec, child: Mapping[str, Any],
+                            pods: list[dict[str, Any]]) -> None:
+        """One failed rank fails the step for every rank: the whole Indexed Job is recreated, as
+        JobSet restarts its Jobs. A non-retryable exit code (the pod failure policy's FailJob)
+        fails the KareusJob at once; a disruption restarts without counting against the limit."""
+        failed = [pod for pod in pods if terminated_state(pod) is not None]
+        was_disrupted = any(disrupted(pod) for pod in pods)
+        condition = job_condition(child, "Failed") or {}
+        p.status["lastFailure"] = (pod_failure(failed[0]) if failed else
+                                   f"Job {child['metadata']['name']}: {condition.get('message') or 'a pod was disrupted'}")
+        if condition.get("reason") == "PodFailurePolicy" and not was_disrupted:
+            self._fail(p, "TrainingFailed", f"{p.status['lastFailure']} (not retryable)")
+            return
+        restarts = int(p.status.get("restarts", 0))
+        if not was_disrupted and restarts >= spec.backoff_limit:
+            self._fail(p, "TrainingFailed", f"{p.status['lastFailure']} (backoffLimit {spec.backoff_limit} reached)")
+            return
+        if not was_disrupted:
+            delay_s = min(self.settings.backoff_base_s * 2**restarts, self.settings.backoff_max_s)
+            retry_at = (parse_iso(condition.get("lastTransitionTime")) or p.now) + delay_s
+            if p.now < retry_at:
+                p.want("Training", False, "Retrying", f"{p.status['lastFailure']}; restarting all ranks")
+                p.requeue(retry_at - p.now)
+                return
+            p.status["restarts"] = restarts + 1
+        # Foreground: the new gang starts only after every old pod is gone (same hostnames, ports).
+        await self.kube.delete(path("batch/v1", "jobs", p.ns, child["metadata"]["name"]), propagation="Foreground")
+        why = "a pod was disrupted (not counted)" if was_disrupted else f"restart {restarts + 1}/{spec.backoff_limit}"
+        p.events.append(("Warning", "ChildRestarted", f"{p.status['lastFailure']}; {why}"))
+        p.want("Training", False, "Retrying", f"{p.status['lastFailure']}; restarting all ranks")
+        p.requeue(0.5)
 
     async def _maybe_reselect(self, p: _Pass, spec: JobSpec) -> None:
         """A new objective while training: a plan from the stored frontier, rolled out via the ConfigMap."""
@@ -367,7 +505,10 @@ class Reconciler:
         cm_name = mf.plan_configmap_name(p.name)
         cm = await self._child(p, "configmaps", cm_name, "train")
         try:
-            current = Plan.loads(((cm or {}).get("data") or {})[PLAN_FILE], source=f"ConfigMap {cm_name}")
+            text = plan_text(cm)
+            if text is None:
+                raise KeyError(PLAN_FILE)
+            current = Plan.loads(text, source=f"ConfigMap {cm_name}")
             done = int(((p.status.get("measured") or {}).get("iterations")) or 0)
             plan = reselect(current, spec.objective, steps=max(1, spec.training.steps - done))
         except (KareusError, KeyError) as error:
@@ -376,7 +517,7 @@ class Reconciler:
         reselections = int((p.status.get("plan") or {}).get("reselections", 0)) + 1
         await self.kube.merge_patch(path("v1", "configmaps", p.ns, cm_name), {
             "metadata": {"annotations": {ANNOTATION_PLAN_REVISION: str(reselections + 1)}},
-            "data": {PLAN_FILE: plan.to_json()}})
+            **plan_data(plan.to_json())})
         summary = PlanSummary.of(plan)
         p.status["plan"] = summary.status(cm_name, reselections=reselections, steps=spec.training.steps)
         p.want("Planned", True, "Reselected", f"objective changed to {wanted}: {summary.text()}")
@@ -415,75 +556,115 @@ class Reconciler:
 
     # ------------------------------------------------------------------ children
 
-    async def _run_pod(self, p: _Pass, spec: JobSpec, stage: str, pod: dict[str, Any] | None, build) -> str:
-        """Drive one run-once pod; returns Succeeded, Failed (final), Retrying, Pending or Running."""
-        phase = pod_phase(pod)
-        if phase == "Failed":
-            p.status["lastFailure"] = pod_failure(pod)
-            if not await self._retry_after_backoff(p, spec, pod, [pod["metadata"]["name"]]):
-                return "Failed" if p.true("Failed") else "Retrying"
-            return "Retrying"
+    async def _run_job(self, p: _Pass, spec: JobSpec, stage: str, child: dict[str, Any] | None, build) -> str:
+        """Drive one phase Job; returns Succeeded, Failed (final), Suspended, Pending or Running.
+
+        The Job controller retries failed pods up to the job's backoffLimit (disruptions excluded
+        by the pod failure policy); its Failed condition fails the KareusJob with the pod's own
+        last words as the reason's message."""
+        phase = child_phase(child)
+        if child is None:
+            await self._ensure(build())
+            return "Pending"
+        # The Job controller's failed pods are its retries, but for the last one when it gave up.
+        retries = int((child.get("status") or {}).get("failed") or 0) - (phase == "Failed")
+        p.status["restarts"] = max(int(p.status.get("restarts", 0)), retries)
         if phase == "Terminating":
             p.requeue(1.0)
             return "Pending"
-        if pod is None:
-            await self._ensure(build())
-            return "Pending"
+        pods = await self._pods_of(p, child)
+        if not pods and phase == "Pending":
+            await self._refused_pods(p, child, stage)
+        if stage == "profile":
+            await self._record_gpu(p, pods)
+        if phase == "Failed":
+            failed = sorted((pod for pod in pods if terminated_state(pod) is not None),
+                            key=lambda pod: str((terminated_state(pod) or {}).get("finishedAt") or ""))
+            condition = job_condition(child, "Failed") or {}
+            text = pod_failure(failed[-1]) if failed else f"Job {child['metadata']['name']}: {condition.get('message', '')}"
+            p.status["lastFailure"] = text
+            exit_codes = {int((terminated_state(pod) or {}).get("exitCode") or 0) for pod in failed}
+            reason = ("NoGPUVisible" if stage == "profile" and EXIT_CONFIG in exit_codes
+                      else _FAILURE_REASONS.get(stage, "ChildFailed"))
+            why = _JOB_FAILURE.get(condition.get("reason"), str(condition.get("reason") or "failed"))
+            self._fail(p, reason, f"{text} ({why.format(limit=spec.backoff_limit)})")
+            return "Failed"
+        if phase == "Suspended":
+            self._waiting(p, child, CONDITION_OF_ROLE[stage])
         return phase
 
-    async def _retry_after_backoff(self, p: _Pass, spec: JobSpec, failed: dict[str, Any], names: list[str]) -> bool:
-        """A failed child is kept (for its logs) until its backoff ends, then deleted to be recreated.
+    def _waiting(self, p: _Pass, child: Mapping[str, Any], condition: str) -> None:
+        """A child held suspended by Kueue (not admitted yet, or preempted): the job waits, and the
+        time counts as suspended."""
+        queue = (child["metadata"].get("labels") or {}).get(LABEL_QUEUE)
+        who = f"until Kueue admits it from LocalQueue {queue}" if queue else "(spec.suspend of the Job)"
+        message = f"Job {child['metadata']['name']} is suspended {who}"
+        p.want(condition, False, "Queued", message)
+        if queue and _suspended_for(p) != "Queued":
+            p.status.setdefault("resumePhase", _active_phase(p.status.get("phase")))
+            p.want("Suspended", True, "Queued", message)
+        p.child_suspended = True
 
-        As the Job controller does, the delay grows as base · 2^restarts from the failure time;
-        after `backoffLimit` restarts the job fails. True when the pods were deleted for a retry.
-        """
-        restarts = int(p.status.get("restarts", 0))
-        if restarts >= spec.backoff_limit:
-            self._fail(p, _FAILURE_REASONS.get(failed["metadata"]["labels"].get(LABEL_ROLE), "ChildFailed"),
-                       f"{p.status['lastFailure']} (backoffLimit {spec.backoff_limit} reached)")
-            return False
-        delay_s = min(self.settings.backoff_base_s * 2**restarts, self.settings.backoff_max_s)
-        retry_at = (_finished_at(failed) or p.now) + delay_s
-        if p.now < retry_at:
-            p.requeue(retry_at - p.now)
-            return False
-        for name in names:
-            await self.kube.delete(path("v1", "pods", p.ns, name))
-        p.status["restarts"] = restarts + 1
-        p.events.append(("Warning", "ChildRestarted", f"{p.status['lastFailure']}; restart "
-                                                      f"{restarts + 1}/{spec.backoff_limit}"))
-        p.requeue(0.5)
-        return True
+    async def _refused_pods(self, p: _Pass, child: Mapping[str, Any], role: str) -> None:
+        """A child Job whose pods the API server refuses (a missing ServiceAccount, a quota, a Pod
+        Security level) says so only in the Job controller's FailedCreate Events: raise the latest
+        as the refusal it is, so the job shows it as it would a refusal of its own request."""
+        events = await self.kube.list(path("v1", "events", p.ns),
+                                      field_selector=f"involvedObject.uid={child['metadata']['uid']},reason=FailedCreate")
+        if not events:
+            return
+        latest = max(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+        message = str(latest.get("message") or "").removeprefix("Error creating: ")
+        raise ChildRefused("Pod", f"of Job {child['metadata']['name']}", role, classify(ApiError(403, "Forbidden", message)))
+
+    async def _pods_of(self, p: _Pass, child: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The pods of this very Job (by its UID: a recreated Job's name is reused)."""
+        return await self.kube.list(path("v1", "pods", p.ns), f"{CONTROLLER_UID}={child['metadata']['uid']}")
+
+    async def _record_gpu(self, p: _Pass, pods: list[dict[str, Any]]) -> None:
+        """`status.gpuProduct`: the product of the node the job's GPU pods run on (from GPU
+        Feature Discovery's label), so a job that pinned none knows what it ran on."""
+        if p.status.get("gpuProduct"):
+            return
+        node_name = next((pod["spec"]["nodeName"] for pod in pods if (pod.get("spec") or {}).get("nodeName")), None)
+        if node_name is None:
+            return
+        try:
+            node = await self.kube.get(path("v1", "nodes", None, node_name))
+        except ApiError:
+            return  # a chart without the node read: nothing recorded, nothing broken
+        product = ((node or {}).get("metadata", {}).get("labels") or {}).get(mf.GPU_PRODUCT_LABEL)
+        if product:
+            p.status["gpuProduct"] = product
 
     def _fail(self, p: _Pass, reason: str, message: str) -> bool:
         p.want("Failed", True, reason, message)
         p.status["completionTime"] = iso(p.now)
         return False
 
-    async def _stop_pods(self, p: _Pass, spec: JobSpec) -> None:
-        names = [mf.profile_pod_name(p.name), mf.optimize_pod_name(p.name)]
-        names += [mf.train_pod_name(p.name, i) for i in range(spec.training.nodes)]
-        for name in names:
-            pod = await self.kube.get(path("v1", "pods", p.ns, name))
-            if owned_by(pod, p.meta["uid"]) and pod_phase(pod) in ("Pending", "Running"):
-                await self.kube.delete(path("v1", "pods", p.ns, name))
+    async def _stop_children(self, p: _Pass) -> None:
+        """Delete the unfinished phase Jobs (their pods go with them)."""
+        for name, _role in self._child_jobs(p):
+            child = await self.kube.get(path("batch/v1", "jobs", p.ns, name))
+            if owned_by(child, p.meta["uid"]) and child_phase(child) not in ("Succeeded", "Failed", "Terminating"):
+                await self.kube.delete(path("batch/v1", "jobs", p.ns, name))
 
     async def _child(self, p: _Pass, plural: str, name: str, role: str) -> dict[str, Any] | None:
         """The child of that name if this job (by UID) owns it; None if there is none.
 
         A same-named object owned by anyone else — a deleted job's child the garbage collector has
         not removed yet — is never used: the job waits until it is gone (StaleChild)."""
-        body = await self.kube.get(path("v1", plural, p.ns, name))
+        body = await self.kube.get(path(_API_OF[plural], plural, p.ns, name))
         if body is None or owned_by(body, p.meta["uid"]):
             return body
         raise StaleChild(body, role)
 
     async def _ensure(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """Create a child; an existing one must be this job's. A refusal is raised as ChildRefused."""
-        plural = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services"}[body["kind"]]
+        plural = _PLURAL_OF[body["kind"]]
         meta = body["metadata"]
         try:
-            existing, created = await self.kube.create(path("v1", plural, meta["namespace"]), body)
+            existing, created = await self.kube.create(path(body["apiVersion"], plural, meta["namespace"]), body)
         except ApiError as error:
             refusal = classify(error)
             if refusal.retryable:
@@ -504,6 +685,37 @@ class Reconciler:
 
 
 # ---------------------------------------------------------------------- pure helpers
+
+
+def plan_text(cm: Mapping[str, Any] | None) -> str | None:
+    """The plan document a plan ConfigMap holds: gzip-compressed in `binaryData` (a plan for
+    PP16 × 256 microbatches is megabytes of JSON, over a ConfigMap's 1 MiB), or plain in `data`."""
+    if cm is None:
+        return None
+    packed = (cm.get("binaryData") or {}).get(PLAN_FILE_GZ)
+    if packed is not None:
+        try:
+            return gzip.decompress(base64.b64decode(packed)).decode()
+        except (ValueError, OSError, EOFError) as error:
+            return json.dumps({"invalid": f"{PLAN_FILE_GZ} is not gzip-compressed base64 ({error})"})
+    return (cm.get("data") or {}).get(PLAN_FILE)
+
+
+def plan_data(text: str) -> dict[str, Any]:
+    """The ConfigMap fields that store `text` as `plan_text` reads it (and drop a plain copy)."""
+    packed = base64.b64encode(gzip.compress(text.encode(), mtime=0)).decode()
+    return {"binaryData": {PLAN_FILE_GZ: packed}, "data": {PLAN_FILE: None}}
+
+
+def _suspended_for(p: _Pass) -> str | None:
+    """Why the job is suspended (the True Suspended condition's reason), or None."""
+    found = cond.find(p.conditions, "Suspended")
+    return found.get("reason") if found is not None and found.get("status") == "True" else None
+
+
+def _active_phase(phase: str | None) -> str:
+    return phase if phase in ("Pending", "Profiling", "Optimizing", "Training") else "Pending"
+
 
 
 class StaleChild(Exception):

@@ -30,6 +30,11 @@ MOUNT_OUT = "/var/kareus/out"
 JOB_FILE = "job.yaml"
 PROFILE_FILE = "profile.json"
 PLAN_FILE = "plan.json"
+PLAN_FILE_GZ = "plan.json.gz"
+# Worker pods reach the node daemon on their node's address with a projected ServiceAccount token
+# of this audience (a token for the API server is not accepted there, and this one is not by it).
+DAEMON_TOKEN_AUDIENCE = "kareus-node"
+DAEMON_TOKEN_DIR = "/var/run/secrets/kareus.dev/node"
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,11 @@ class Settings:
     publish_command: tuple[str, ...] = ("kareus-operator", "publish")
     policy_configmap: str = "kareus-policy"
     policy_namespace: str = "kareus-system"
-    node_socket_dir: str = "/var/run/kareus"
+    # The node daemon's TCP port on every GPU node (the chart's nodeAgent.port).
+    node_daemon_port: int = 9477
+    # /dev/shm of GPU pods: a memory-backed emptyDir (NCCL's shared-memory transport needs far
+    # more than a container runtime's default 64 MiB with several ranks per node).
+    shm_size: str = "16Gi"
     service_account: str = "kareus-worker"
     # A safety net only: children's and the job's own watch events drive reconciles, and backoff,
     # deadline and TTL wake-ups are timed precisely; a running job costs ~4 requests per pass.

@@ -97,15 +97,25 @@ ConfigMaps it owns (the policy ConfigMap is read through the same rule), and the
 - apiGroups: ["kareus.dev"]
   resources: ["kareusjobs/finalizers"]
   verbs: ["update"]
+# The phases run as batch Jobs (the Job controller makes the pods); the operator reads the pods
+# for their failures and nodes, and suspends and resumes the Jobs.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "delete", "patch", "update"]
+# A child queued in Kueue is suspended and resumed through its Workload (spec.active).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "patch"]
+# list: a child Job's pods refused by admission show only in the Job controller's FailedCreate Events.
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "patch", "list"]
 {{- end -}}
 
 {{/* `kareus-operator run` flags, rendered from operator.args only (keep them aligned here). */}}
@@ -171,6 +181,7 @@ clockBounds:
 {{- end }}
 - --config=/etc/kareus-node/config.yaml
 - --socket={{ include "kareus.nodeAgent.socketPath" . }}
+- --listen-tcp=$(HOST_IP):{{ $agent.port }}
 - --state-dir={{ $agent.stateDir }}
 - --pod-resources-socket={{ printf "%s/kubelet.sock" $agent.podResourcesDir }}
 - --node-name=$(NODE_NAME)
@@ -184,7 +195,16 @@ clockBounds:
 {{- end }}
 {{- end -}}
 
-{{/* The daemon's socket; training pods mount nodeAgent.socketDir and find it there. */}}
+{{/* The agent's PriorityClass: the chart's own when nodeAgent.priorityClass.create, else nodeAgent.priorityClassName (may be empty). */}}
+{{- define "kareus.nodeAgent.priorityClassName" -}}
+{{- if .Values.nodeAgent.priorityClass.create -}}
+{{- include "kareus.nodeAgent.fullname" . -}}
+{{- else -}}
+{{- .Values.nodeAgent.priorityClassName -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The daemon's socket; privileged or standalone clients mount nodeAgent.socketDir and find it there. */}}
 {{- define "kareus.nodeAgent.socketPath" -}}
 {{- printf "%s/node.sock" .Values.nodeAgent.socketDir -}}
 {{- end -}}
@@ -226,8 +246,8 @@ kareus.dev/job-name
   value: {{ include "kareus.policy.configMapName" . | quote }}
 - name: KAREUS_OPERATOR_POLICY_NAMESPACE
   value: {{ .Release.Namespace | quote }}
-- name: KAREUS_OPERATOR_NODE_SOCKET_DIR
-  value: {{ .Values.nodeAgent.socketDir | quote }}
+- name: KAREUS_OPERATOR_NODE_DAEMON_PORT
+  value: {{ .Values.nodeAgent.port | quote }}
 - name: KAREUS_OPERATOR_SERVICE_ACCOUNT
   value: {{ .Values.workers.serviceAccountName | quote }}
 - name: KAREUS_OPERATOR_WATCH_NAMESPACES

@@ -43,6 +43,7 @@ from kareus_operator.devcluster.controlplane import (
     stop_process,
 )
 from kareus_operator.devcluster.kubelet import node_cgroup, remove_cgroups
+from kareus_operator.devcluster.prometheus import DevPrometheus, install_monitoring
 
 NODE_NAME = "kareus-dev-node"  # the first node; more are <NODE_NAME>-1, -2, …
 NODE_GPUS = 8
@@ -87,7 +88,8 @@ class DevCluster(Started):
                  operator: bool = True,
                  node_agent: bool = True, operator_settings: Mapping[str, str] | None = None,
                  operator_args: Sequence[str] = (), pod_env: Mapping[str, str] | None = None,
-                 worker_namespaces: Sequence[str] = ("default",), watch_namespaces: Sequence[str] = ()) -> None:
+                 worker_namespaces: Sequence[str] = ("default",), watch_namespaces: Sequence[str] = (),
+                 prometheus: bool = False) -> None:
         if nodes < 1:
             raise KareusError(f"nodes: must be >= 1, got {nodes}")
         self.workdir = Path(workdir)
@@ -104,6 +106,12 @@ class DevCluster(Started):
         self.nodes: list[Node] = []
         self._addresses = 0  # nodes started so far: node k listens on 127.0.0.k
         self._short_root: Path | None = None
+        # Every emulated node is a loopback address of this one machine, shared with other dev
+        # clusters: the agents' TCP API port is a free one, chosen once, since every release's
+        # operator must tell worker pods the same port the agents listen on.
+        self.daemon_port = free_port()
+        self.want_prometheus = prometheus  # a real Prometheus scraping what the chart's monitors select
+        self.prometheus: DevPrometheus | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -128,10 +136,18 @@ class DevCluster(Started):
         if self.taint_gpus:  # the operator tolerates no GPU taint: give it a node, as a real cluster has
             self.nodes.append(self._start_node(f"{NODE_NAME}-cpu", gpus=0, taint=False))
         self._wait_nodes_ready()
-        self.install(RELEASE, RELEASE_NAMESPACE, self.values(operator=self.want_operator,
-                                                             node_agent=self.want_node_agent))
+        values = self.values(operator=self.want_operator, node_agent=self.want_node_agent)
+        if self.want_prometheus:
+            values["metrics"] = install_monitoring(self)
+        self.install(RELEASE, RELEASE_NAMESPACE, values)
+        if self.want_prometheus:
+            self.prometheus = DevPrometheus(self.workdir / "prometheus", self.control_plane)
+            self.prometheus.start()
 
     def stop(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
+            self.prometheus = None
         for node in self.nodes:
             stop_process(node.process, grace_s=15.0)
             # A node killed before it could end its pods leaves them running, as a dead kubelet does;
@@ -211,7 +227,7 @@ class DevCluster(Started):
             "workers": {"namespaces": list(self.worker_namespaces if worker_namespaces is None else worker_namespaces)},
             "nodeAgent": {"enabled": node_agent, "backend": "sim",
                           "sim": {"gpus": max(self.gpus_per_node, 1), "product": self.gpu_product},
-                          "metricsPort": free_port()},
+                          "metricsPort": free_port(), "port": self.daemon_port},
         }
 
     def render(self, release: str, namespace: str, values: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -327,6 +343,11 @@ def serve(workdir: Path, kubeconfig: Path, **options: Any) -> None:
     with DevCluster(workdir, kubeconfig=kubeconfig, **options) as cluster:
         print(f"API {cluster.url}, kubeconfig {cluster.kubeconfig}", flush=True)
         print(f"nodes {', '.join(node.name for node in cluster.nodes)}; logs in {workdir}", flush=True)
+        if cluster.prometheus is not None:
+            url = cluster.prometheus.url
+            print(f"prometheus: {url}", flush=True)
+            print(f"  live series in Prometheus' own UI: {url}/graph?g0.expr=kareus_gpu_power_watts (targets at "
+                  f"{url}/targets, the chart's alerts at {url}/alerts)", flush=True)
         print("ready", flush=True)
         while not stopping["now"]:
             time.sleep(0.2)

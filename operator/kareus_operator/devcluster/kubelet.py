@@ -19,7 +19,10 @@ apply to it as to a kubelet):
 - serves `containerLogs` to the API server over TLS, so `kubectl logs` works, authenticating the
   API server's client certificate against the cluster CA;
 - allocates GPUs to containers as the NVIDIA device plugin does (whole GPUs by UUID,
-  `NVIDIA_VISIBLE_DEVICES`) and serves the kubelet's pod-resources gRPC API on
+  `NVIDIA_VISIBLE_DEVICES`), and exposes them as the NVIDIA container runtime does: a container
+  whose `NVIDIA_VISIBLE_DEVICES` names GPUs (or `all`) gets `KAREUS_SIM_GPU_DIR`, the node's
+  directory of simulated GPU state files, so the node agent and the pods given a GPU read and
+  account on one shared device (`kareus.gpu.simdevice`); it serves the kubelet's pod-resources gRPC API on
   `<root>/var/lib/kubelet/pod-resources/kubelet.sock`, which the node daemon reads as on a real node;
 - puts each container's processes in a `kubepods/…/pod<uid>/<container>` cgroup (pids hierarchy)
   when the machine lets it, so the node daemon's pid → pod lookup works as on a real node.
@@ -191,6 +194,11 @@ class EmulatedNode:
         self._grpc: Any = None
         self._cgroups = _cgroups_usable()
         self._cgroup_base = node_cgroup(spec.name, os.getpid()) / "kubepods"
+
+    @property
+    def sim_gpu_dir(self) -> Path:
+        """The node's simulated GPUs: one state file each (counter, lock), like the node's /dev/nvidia*."""
+        return self.host_root / "dev" / "kareus-sim-gpu"
 
     @property
     def pod_resources_socket(self) -> Path:
@@ -496,6 +504,9 @@ class EmulatedNode:
         container.state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
                                           "startedAt": started, "finishedAt": now_iso(),
                                           "containerID": container.container_id}}
+        message = termination_message(spec, container.log_path, exit_code)
+        if message:
+            container.state["terminated"]["message"] = message
         if not run.terminating:
             with contextlib.suppress(ApiError, aiohttp.ClientError, OSError):
                 await self._patch_status(run)
@@ -700,6 +711,12 @@ class EmulatedNode:
         for var in spec.get("env") or []:
             env[var["name"]] = translate(await self._env_value(run, container, var, env), mounts)
         env |= self.extra_env
+        visible = env.get("NVIDIA_VISIBLE_DEVICES", "")
+        if self.spec.gpus and visible and visible not in ("none", "void"):
+            # The NVIDIA container runtime exposes the GPUs NVIDIA_VISIBLE_DEVICES names (the device
+            # plugin's UUIDs, or `all` as the node agent asks); here a simulated GPU is a state file
+            # in the node's device directory, shared by every container given it (kareus.gpu.simdevice).
+            env["KAREUS_SIM_GPU_DIR"] = str(self.sim_gpu_dir)
         return env
 
     async def _env_value(self, run: PodRun, container: Container, var: Mapping[str, Any], env: Mapping[str, str]) -> str:
@@ -874,6 +891,19 @@ def write_files(target: Path, files: Mapping[str, bytes]) -> None:
     for stale in target.iterdir():
         if not stale.name.startswith(".") and stale.name not in top:
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+
+
+def termination_message(spec: Mapping[str, Any], log_path: Path, exit_code: int) -> str:
+    """The kubelet's termination message: the file at terminationMessagePath is not writable here
+    (no mount namespace), so only `FallbackToLogsOnError` gives one — as the kubelet does, the
+    log's last 80 lines, at most 2048 bytes, of a container that failed."""
+    if exit_code == 0 or spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+        return ""
+    try:
+        lines = log_path.read_bytes().splitlines()[-80:]
+    except OSError:
+        return ""
+    return b"\n".join(lines)[-2048:].decode(errors="replace")
 
 
 def _exit_code(container: Container) -> int:
