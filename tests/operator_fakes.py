@@ -5,7 +5,10 @@ document with a prediction and frontier rows, a `train.jsonl` progress log — i
 Failures are injected by the job's name: a job named `x-f2train` fails its first 2 training runs
 (exit 3), `x-f1profile` its first profiling run (runs counted in `FAKE_STATE_DIR`). `FAKE_STEP_S`
 is the time per fake training step (a job named `*nodaemon*` reports degraded clock control), `FAKE_STEPS` the number of steps, `FAKE_PHASE_S` how long
-profiling and optimizing take.
+profiling and optimizing take. `FAKE_PLAN_FILE` (optional): a real plan document (with a frontier)
+the fake optimize writes instead of its stand-in. A training run stops early when the file
+`FAKE_STATE_DIR/<job>.finish` exists, and records the plan's `selected_row` it read last (the plan
+file is re-read every step, as a runtime watching it would) in `FAKE_STATE_DIR/<job>.row`.
 
     python tests/operator_fakes.py profile JOB --out PROFILE
     python tests/operator_fakes.py optimize JOB --profile PROFILE --out PLAN
@@ -28,17 +31,19 @@ STEP_ENERGY_J = 123.0
 STEP_TIME_S = 0.25
 
 
-def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4, phase_s: float = 0.0) -> dict[str, str]:
+def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4, phase_s: float = 0.0,
+                 plan_file: Path | None = None) -> dict[str, str]:
     """Operator environment that makes every pod run these fakes."""
     python = sys.executable
+    extra = {"FAKE_STATE_DIR": str(state_dir), "FAKE_STEP_S": str(step_s), "FAKE_STEPS": str(steps),
+             "FAKE_PHASE_S": str(phase_s)} | ({"FAKE_PLAN_FILE": str(plan_file)} if plan_file else {})
     env = {
         "KAREUS_OPERATOR_PROFILE_COMMAND": json.dumps([python, SCRIPT, "profile", "{job}", "--out", "{profile}"]),
         "KAREUS_OPERATOR_OPTIMIZE_COMMAND": json.dumps([python, SCRIPT, "optimize", "{job}", "--profile", "{profile}",
                                                         "--out", "{plan}"]),
         "KAREUS_OPERATOR_TRAIN_COMMAND": json.dumps([python, SCRIPT, "train"]),
         "KAREUS_OPERATOR_PUBLISH_COMMAND": json.dumps([python, "-m", "kareus_operator.main", "publish"]),
-        "KAREUS_OPERATOR_EXTRA_POD_ENV": json.dumps({"FAKE_STATE_DIR": str(state_dir), "FAKE_STEP_S": str(step_s),
-                                                     "FAKE_STEPS": str(steps), "FAKE_PHASE_S": str(phase_s)}),
+        "KAREUS_OPERATOR_EXTRA_POD_ENV": json.dumps(extra),
         "KAREUS_OPERATOR_RESYNC_S": "2", "KAREUS_OPERATOR_BACKOFF_BASE_S": "0.5",
         "KAREUS_OPERATOR_PROGRESS_INTERVAL_S": "0.2",
         # A killed leader's Lease expires in 4 s (production: 15 s), so restarts hand over quickly.
@@ -69,6 +74,11 @@ def _maybe_fail(phase: str) -> None:
         sys.exit(3)
 
 
+def _read_plan(path: Path) -> dict:
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)  # the plan ConfigMap stores it gzipped
+
+
 def main() -> int:
     phase = sys.argv[1]
     _maybe_fail(phase)
@@ -80,14 +90,22 @@ def main() -> int:
         json.loads(Path(_arg("--profile")).read_text())  # the mounted cached profile must be readable
         plan = {"predicted": {"iteration_time_s": STEP_TIME_S, "iteration_energy_j": STEP_ENERGY_J},
                 "frontier": {"rows": [{"time_s": STEP_TIME_S, "energy_j": STEP_ENERGY_J}] * 3}}
-        Path(_arg("--out")).write_text(json.dumps(plan))
+        real = os.environ.get("FAKE_PLAN_FILE")
+        Path(_arg("--out")).write_text(Path(real).read_text() if real else json.dumps(plan))
     elif phase == "train":
-        raw = Path(_arg("--plan")).read_bytes()
-        json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)  # the plan ConfigMap stores it gzipped
+        plan_path = Path(_arg("--plan"))
+        _read_plan(plan_path)
         steps = int(os.environ.get("FAKE_STEPS", "4"))
         out = Path(_arg("--out"))
+        job = os.environ.get("KAREUS_JOB_NAME", "job")
+        state = Path(os.environ.get("FAKE_STATE_DIR", out))
         with open(out / "train.jsonl", "a") as log:
             for step in range(steps):
+                if (state / f"{job}.finish").exists():
+                    break
+                row = _read_plan(plan_path).get("selected_row")
+                if row is not None:
+                    (state / f"{job}.row").write_text(str(row))
                 time.sleep(float(os.environ.get("FAKE_STEP_S", "0.05")))
                 record = {"step": step, "loss": 1.0 / (step + 1), "iteration_time_s": STEP_TIME_S,
                           "energy_j": STEP_ENERGY_J}

@@ -74,6 +74,12 @@ def operator_series() -> dict[str, set[str]]:
     metrics.observe("uid-1", "Profiling")
     metrics.observe("uid-1", "Running")
     metrics.profile_cache_hit()
+    from kareus.policy import PowerBudget
+
+    job = {"metadata": {"uid": "uid-1", "namespace": "team-a", "name": "llama"}}
+    metrics.observe_status(job, {"phase": "Training", "power": {"allottedWatts": 4000.0, "held": False},
+                                 "measured": {"energyJoules": 9e3, "averagePowerWatts": 3900.0}})
+    metrics.observe_power_budget(PowerBudget(cluster_w=9000.0), None)
     return labels_by_series(metrics.exposition().decode(), set())
 
 

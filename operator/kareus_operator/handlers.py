@@ -6,6 +6,8 @@
   drive progress without polling); they are watched with that label selector on the server, so
   the operator never reads the namespaces' other ConfigMaps and pods (kopf's label filters are
   client-side);
+- the cluster power budget (`kareus_operator.power`): status changes that matter to it, deletions
+  and the resync request an allocation pass, whose changed allotments reconcile their jobs;
 - a job's DELETED event forgets its metrics; the children go with the job through
   ownerReferences. There is no deletion handler, hence no finalizer: nothing has to happen
   before a job may go, so an uninstalled operator never blocks a job's (or its namespace's)
@@ -32,6 +34,7 @@ import kopf
 
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
+from kareus_operator.power import PowerAllocator, signature
 from kareus_operator.reconcile import Reconciler
 from kareus_operator.settings import LABEL_JOB, PREFIX, Settings
 
@@ -50,6 +53,10 @@ class Controller:
         self.kube, self.settings = kube, settings
         self.metrics = metrics or OperatorMetrics()
         self.reconciler = Reconciler(kube, settings, self.metrics)
+        # The cluster power budget: passes over all jobs; each job's reconcile applies its allotment.
+        self.power = PowerAllocator(kube, self.reconciler.policy, self.metrics, settings.watch_namespaces)
+        self.power.on_change = self._spawn
+        self.reconciler.power = self.power
         self._running: set[tuple[str, str]] = set()
         self._dirty: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -98,8 +105,11 @@ class Controller:
             return
         if outcome.delete_job:
             await self.kube.delete(path(API_VERSION, PLURAL, namespace, name))
+            self.power.request()
             return
         old = job.get("status") or {}
+        if signature(old) != signature(outcome.status):
+            self.power.request()  # entered/left Planned or Training, finished, suspended, new objective
         if outcome.status != old:
             patch = {k: outcome.status.get(k) for k in set(old) | set(outcome.status)}
             written = await self.kube.merge_patch(path(API_VERSION, PLURAL, namespace, name, "status"),
@@ -189,9 +199,11 @@ class Controller:
                     continue
                 for job in jobs:
                     self._spawn((job["metadata"]["namespace"], job["metadata"]["name"]))
+            self.power.request()
 
     def forget_job(self, body: Mapping[str, Any]) -> None:
         self.metrics.forget(body["metadata"]["uid"])
+        self.power.request()  # its power goes to the others
         self._forget((body["metadata"]["namespace"], body["metadata"]["name"]))
 
 

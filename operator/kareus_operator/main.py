@@ -86,8 +86,10 @@ def _run(args: argparse.Namespace) -> int:
                 if not acquiring.done():  # asked to stop while waiting for the Lease
                     acquiring.cancel()
                     return 0
+            controller.power.namespaces = tuple(namespaces)
             tasks = [asyncio.create_task(controller.resync_forever(namespaces)),
-                     asyncio.create_task(controller.watch_children(namespaces))]
+                     asyncio.create_task(controller.watch_children(namespaces)),
+                     asyncio.create_task(controller.power.run_forever())]
             if elector is not None:
                 tasks += [asyncio.create_task(elector.hold(lost)), asyncio.create_task(_stop_when(lost, stop))]
             try:

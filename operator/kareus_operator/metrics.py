@@ -8,12 +8,18 @@ job's state, not a count that other jobs keep up), each status condition (`kareu
 operator's own admission check sums it).
 
 One `OperatorMetrics` object owns its own registry (no module-level collectors), so tests and a
-restarted operator never share counters. Phase durations are measured from the moment this operator
+restarted operator never share counters.
+
+The cluster power budget: `kareus_power_budget_watts{scope,name}` (each budget of the policy),
+`kareus_job_power_allotment_watts` and `kareus_job_measured_power_watts` per job (predicted power of
+its allotted frontier point, measured average power; training jobs only) and
+`kareus_power_budget_held_jobs`. Phase durations are measured from the moment this operator
 process saw a job enter a phase; a restart starts the clock anew (a shorter, never a longer, sample).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -50,6 +56,22 @@ class OperatorMetrics:
         self.job_energy = Gauge(metric_names.JOB_MEASURED_ENERGY_JOULES,
                                 "GPU energy a KareusJob has measured so far (status.measured.energyJoules)",
                                 job_labels, registry=self.registry)
+        # The cluster power budget (kareus_operator.power): each budget, each job's allotment (the
+        # predicted power of its frontier point; 0 while held) and measured power, the held jobs.
+        self.power_budget = Gauge(metric_names.POWER_BUDGET_WATTS,
+                                  "Power budget in watts, per scope (cluster, gpuProduct, nodePool)",
+                                  ["scope", "name"], registry=self.registry)
+        self.power_held = Gauge(metric_names.POWER_BUDGET_HELD_JOBS,
+                                "KareusJobs held (not started) because the power budget cannot fit them",
+                                registry=self.registry)
+        self.job_power_allotment = Gauge(metric_names.JOB_POWER_ALLOTMENT_WATTS,
+                                         "Predicted average power of a KareusJob's allotted frontier point "
+                                         "(status.power.allottedWatts)", job_labels, registry=self.registry)
+        self.job_measured_power = Gauge(metric_names.JOB_MEASURED_POWER_WATTS,
+                                        "Measured average GPU power of a KareusJob "
+                                        "(status.measured.averagePowerWatts)", job_labels, registry=self.registry)
+        self._budget_scopes: set[tuple[str, str]] = set()
+        self._power_jobs: set[tuple[str, str]] = set()  # labels with power series
         # uid -> (labels, the phase and the conditions exported for it), so a change or `forget`
         # removes exactly the series this job had.
         self._exported: dict[str, tuple[tuple[str, str], str, frozenset[str]]] = {}
@@ -85,6 +107,7 @@ class OperatorMetrics:
             self.job_condition.labels(*labels, condition).set(1 if true else 0)
         energy_j = (status.get("measured") or {}).get("energyJoules")
         self.job_energy.labels(*labels).set(float(energy_j or 0.0))
+        self._observe_job_power(labels, phase, status)
         self._exported[uid] = (labels, phase, frozenset(conditions))
 
     def forget(self, uid: str) -> None:
@@ -98,6 +121,42 @@ class OperatorMetrics:
             for condition in conditions:
                 self.job_condition.remove(*labels, condition)
             self.job_energy.remove(*labels)
+            self._forget_job_power(labels)
+
+    def _observe_job_power(self, labels: tuple[str, str], phase: str, status: Mapping[str, Any]) -> None:
+        """A training job's allotted and measured power; a finished job draws none (series removed)."""
+        power = status.get("power")
+        measured_w = (status.get("measured") or {}).get("averagePowerWatts")
+        if phase in ("Succeeded", "Failed") or (power is None and measured_w is None):
+            self._forget_job_power(labels)
+            return
+        if power is not None:
+            self.job_power_allotment.labels(*labels).set(0.0 if power.get("held") else float(power.get("allottedWatts") or 0.0))
+        if measured_w is not None and phase == "Training":
+            self.job_measured_power.labels(*labels).set(float(measured_w))
+        self._power_jobs.add(labels)
+
+    def _forget_job_power(self, labels: tuple[str, str]) -> None:
+        if labels in self._power_jobs:
+            self._power_jobs.discard(labels)
+            for gauge in (self.job_power_allotment, self.job_measured_power):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
+
+    def observe_power_budget(self, budget: Any, allocation: Any) -> None:
+        """The budgets (`kareus.policy.PowerBudget`) and the held jobs of the latest allocation."""
+        scopes = set()
+        if budget.cluster_w is not None:
+            scopes.add(("cluster", "cluster", budget.cluster_w))
+        scopes |= {("gpuProduct", name, watts) for name, watts in budget.gpu_products_w.items()}
+        scopes |= {("nodePool", name, watts) for name, watts in budget.node_pools_w.items()}
+        for scope, name, watts in scopes:
+            self.power_budget.labels(scope, name).set(float(watts))
+        current = {(scope, name) for scope, name, _ in scopes}
+        for gone in self._budget_scopes - current:
+            self.power_budget.remove(*gone)
+        self._budget_scopes = current
+        self.power_held.set(len(allocation.held) if allocation is not None else 0)
 
     def profile_cache_hit(self) -> None:
         self.cache_hits.inc()

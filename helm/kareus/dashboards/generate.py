@@ -1,7 +1,7 @@
 """The Grafana dashboards Kareus ships, built with Grafana's own typed SDK and written beside this script.
 
-Three dashboards: **cluster energy** (GPU power, energy per namespace and per KareusJob, SM clocks,
-clock changes, node-agent refusals), **job view** (iteration time, energy per iteration, tokens per
+Three dashboards: **cluster energy** (GPU power, energy per namespace and per KareusJob, the power
+budget vs predicted vs measured power, SM clocks, clock changes, node-agent refusals), **job view** (iteration time, energy per iteration, tokens per
 joule, predicted vs measured, the plan in use) and **operator health** (jobs per phase, phase
 durations, profile reuse). Panels, variables and dashboards are built with `grafana-foundation-sdk`
 (Grafana's generated builders for its dashboard schema, Apache-2.0), so a field Grafana does not
@@ -163,6 +163,16 @@ def cluster_energy() -> dict:
                        f"sum by (namespace, kareusjob) (increase({m.GPU_ENERGY_JOULES_TOTAL}{{{NODE},{owned}}}"
                        f"[$__range])) / {KWH_PER_J}", "{{namespace}}/{{kareusjob}}", "kwatth",
                        "GPU energy per KareusJob over the time range."),
+            row("Power budget"),
+            timeseries_panel("Power budget vs predicted vs measured",
+                             [target(f"{m.POWER_BUDGET_WATTS}", "budget {{scope}} {{name}}", "A"),
+                              target(f"sum({m.JOB_POWER_ALLOTMENT_WATTS})", "predicted (allotted points)", "B"),
+                              target(f"sum({m.JOB_MEASURED_POWER_WATTS})", "measured (KareusJobs)", "C")],
+                             "watt", "policy.powerBudget per scope, the summed predicted power of the frontier "
+                                     "points the operator allotted to the running KareusJobs, and what they measure.",
+                             w=18),
+            stat_panel("Jobs held by the power budget", f"max({m.POWER_BUDGET_HELD_JOBS})", "none",
+                       "New KareusJobs not started because the budget cannot fit them.", w=6),
             row("Clocks"),
             timeseries_panel("SM clock per GPU",
                              [target(f"{m.GPU_SM_CLOCK_HERTZ}{{{NODE}}}", "{{node}} {{gpu_uuid}}", "A"),
