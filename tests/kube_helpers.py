@@ -11,8 +11,10 @@ from kubernetes.client.rest import ApiException
 
 
 class PodRecorder:
-    """Every pod UID created in a namespace, by name, from a watch (so none is missed between polls);
-    `with PodRecorder(core, ns) as seen:` — `seen[name]` is the set of UIDs that name had."""
+    """Every pod UID created in a namespace, from a watch (so none is missed between polls);
+    `with PodRecorder(core, ns) as seen:` — `seen[key]` is the set of UIDs a child pod had, keyed
+    `<job>-<role>[-<completion index>]` (the Job controller names pods with a random suffix), or
+    by name for any other pod."""
 
     def __init__(self, core: client.CoreV1Api, namespace: str) -> None:
         self.core, self.namespace = core, namespace
@@ -25,7 +27,7 @@ class PodRecorder:
         while not self._stop.is_set():
             for event in stream.stream(self.core.list_namespaced_pod, self.namespace, timeout_seconds=2):
                 meta = event["object"].metadata
-                self.seen[meta.name].add(meta.uid)
+                self.seen[child_key(meta)].add(meta.uid)
 
     def __enter__(self) -> dict[str, set[str]]:
         self._thread.start()
@@ -34,6 +36,15 @@ class PodRecorder:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def child_key(meta) -> str:
+    labels = meta.labels or {}
+    if "kareus.dev/role" not in labels:
+        return meta.name
+    index = labels.get("batch.kubernetes.io/job-completion-index")
+    key = f"{labels['kareus.dev/job-name']}-{labels['kareus.dev/role']}"
+    return f"{key}-{index}" if index is not None else key
 
 
 def read_or_none(read):

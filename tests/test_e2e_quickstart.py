@@ -1,20 +1,27 @@
 """End to end: `examples/quickstart.yaml` through the official `kubernetes` client on the real cluster.
 
 The session's dev cluster (real kube-apiserver, controller manager and scheduler, an emulated GPU
-node, the node agent DaemonSet) gets an operator release of the chart watching namespace `e2e`;
-the operator runs as the chart's Deployment pod under its ServiceAccount, and its pods run the real
-`kareus profile`, `kareus optimize` and `kareus train --nproc 2` (torch + gloo on CPU, simulated GPU
-energy). Checks: the job succeeds with the documented conditions, a plan ConfigMap and measured
-energy; an identical second job reuses the profile; an objective change while training re-selects
-the plan from the stored frontier; deleting a job removes every child through the real garbage
-collector; invalid manifests are rejected by the API server with the field path; pods, logs and
-events are read with the official client.
+node, the node agent DaemonSet) gets an operator release of the chart watching namespace `e2e`,
+which enforces Pod Security `restricted`; the operator runs as the chart's Deployment pod under its
+ServiceAccount, and its children are batch/v1 Jobs (training an Indexed Job) whose pods run the
+real `kareus profile`, `kareus optimize` and `kareus train --nproc 2` (torch + gloo on CPU,
+simulated GPU energy). Checks: the job succeeds with the documented conditions, a plan ConfigMap
+and measured energy; the profiling pod requested the job's GPUs and locked their clocks through
+the node daemon (the daemon's metrics show the lock owned by that pod); an identical second job
+reuses the profile; an objective change while training re-selects the plan from the stored
+frontier; deleting a job removes every child through the real garbage collector; invalid
+manifests are rejected by the API server with the field path; pods, logs and events are read with
+the official client.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
+import gzip
 import json
+import re
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -34,7 +41,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 def cluster(dev_cluster):
     objects = dev_cluster.install_operator("e2e", "e2e-system", watch_namespaces=[NS], settings=SETTINGS)
     api_client = config.new_client_from_config(config_file=str(dev_cluster.kubeconfig))
-    yield dev_cluster, client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    core = client.CoreV1Api(api_client)
+    core.patch_namespace(NS, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
+    yield dev_cluster, client.CustomObjectsApi(api_client), core
     dev_cluster.uninstall(objects)
 
 
@@ -51,6 +60,29 @@ def get_job(jobs, name: str) -> dict | None:
 def wait_for(jobs, name: str, check, timeout_s: float = 300.0) -> dict:
     return wait_until(lambda: get_job(jobs, name), check, timeout_s=timeout_s, what=f"KareusJob {name}",
                       interval_s=0.5)
+
+
+def plan_of(core, name: str) -> dict:
+    """The plan document a plan ConfigMap stores (gzip-compressed, in binaryData)."""
+    cm = core.read_namespaced_config_map(name, NS)
+    return json.loads(gzip.decompress(base64.b64decode(cm.binary_data["plan.json.gz"])))
+
+
+def agent_metrics_url(core, apps) -> str:
+    """The node agent's /metrics on the emulated node (host network: the node's address)."""
+    [daemonset] = [d for d in apps.list_daemon_set_for_all_namespaces().items if "node" in d.metadata.name]
+    args = daemonset.spec.template.spec.containers[0].args
+    port = next(a.split("=", 1)[1] for a in args if a.startswith("--metrics-port="))
+    [pod] = core.list_namespaced_pod(daemonset.metadata.namespace).items
+    return f"http://{pod.status.pod_ip}:{port}/metrics"
+
+
+def locked_by(url: str) -> set[str]:
+    """Pods the agent's metrics show holding a clock lock now."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {m.group(1) for m in re.finditer(r'^kareus_gpu_locked_clock_hertz\{[^}]*pod="([^"]+)"[^}]*\} ([0-9.e+]+)$',
+                                            text, re.MULTILINE) if float(m.group(2)) > 0}
 
 
 def phase(job: dict | None) -> str | None:
@@ -78,24 +110,35 @@ def test_invalid_manifests_are_rejected_with_field_paths(cluster):
 
 def test_quickstart_end_to_end(cluster):
     _, jobs, core = cluster
+    apps, batch = client.AppsV1Api(core.api_client), client.BatchV1Api(core.api_client)
     created = jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, manifest("quickstart"))
     assert created["metadata"]["uid"] and created["metadata"]["generation"] == 1
 
+    # The profiling pod asks for the job's GPUs and locks their clocks through the node daemon.
+    url, lockers = agent_metrics_url(core, apps), set()
+    first = wait_until(lambda: (lockers.update(locked_by(url)), get_job(jobs, "quickstart"))[1],
+                       lambda j: conditions(j or {}).get("Profiled") == ("True", "Measured"), timeout_s=300,
+                       what="the quickstart's profile", interval_s=0.2)
+    [profile_pod] = core.list_namespaced_pod(NS, label_selector="kareus.dev/job-name=quickstart,"
+                                                                "kareus.dev/role=profile").items
+    assert profile_pod.spec.containers[0].resources.limits == {"nvidia.com/gpu": "2"}
+    assert profile_pod.metadata.name in lockers, (profile_pod.metadata.name, lockers)
+    assert all(v.host_path is None for v in profile_pod.spec.volumes)
+
     # A second identical job, created once the first has profiled, reuses the profile.
-    first = wait_for(jobs, "quickstart", lambda j: conditions(j).get("Profiled") == ("True", "Measured"))
     jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, manifest("quickstart-2"))
     second = wait_for(jobs, "quickstart-2", lambda j: phase(j) in ("Training", "Failed"))
     assert conditions(second)["Profiled"] == ("True", "CacheHit"), second["status"]
     assert second["status"]["profile"]["key"] == first["status"]["profile"]["key"]
 
     # Changing the objective while training re-selects from the stored frontier (no re-profiling).
-    plan_before = json.loads(core.read_namespaced_config_map("quickstart-2-plan", NS).data["plan.json"])
+    plan_before = plan_of(core, "quickstart-2-plan")
     objective = {"spec": {"objective": {"maxThroughput": None, "timeBudget": {"maxSlowdownPercent": 20.0}}}}
     jobs.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "quickstart-2", copy.deepcopy(objective))
     reselected = wait_for(jobs, "quickstart-2", lambda j: (j["status"].get("plan") or {}).get("reselections") == 1
                           or phase(j) in ("Succeeded", "Failed"))
     assert conditions(reselected)["Planned"] == ("True", "Reselected"), reselected["status"]
-    plan_after = json.loads(core.read_namespaced_config_map("quickstart-2-plan", NS).data["plan.json"])
+    plan_after = plan_of(core, "quickstart-2-plan")
     assert plan_after["objective"] != plan_before["objective"]
     assert plan_after["frontier"] == plan_before["frontier"]  # same frontier: nothing re-profiled or re-solved
     assert plan_after["predicted"]["iteration_energy_j"] <= plan_before["predicted"]["iteration_energy_j"]
@@ -106,13 +149,20 @@ def test_quickstart_end_to_end(cluster):
     assert conditions(done) == {"Profiled": ("True", "Measured"), "Planned": ("True", "Optimized"),
                                 "Training": ("False", "Completed"), "Complete": ("True", "Completed")}
     plan_cm = core.read_namespaced_config_map(done["status"]["plan"]["configMap"], NS)
-    plan = json.loads(plan_cm.data["plan.json"])
+    plan = plan_of(core, done["status"]["plan"]["configMap"])
     assert plan["kind"] == "KareusPlan" and done["status"]["plan"]["frontierPoints"] == len(plan["frontier"]["rows"])
     assert plan_cm.metadata.owner_references[0].uid == created["metadata"]["uid"]
     measured = done["status"]["measured"]
     assert measured["iterations"] == 8 and measured["energyJoules"] > 0 and measured["averageIterationSeconds"] > 0
-    assert "kareus train: 8 steps" in core.read_namespaced_pod_log("quickstart-train-0", NS)
-    train_pod = core.read_namespaced_pod("quickstart-train-0", NS)  # the official client's models parse it
+    children = {j.metadata.labels["kareus.dev/role"]: j for j in
+                batch.list_namespaced_job(NS, label_selector="kareus.dev/job-name=quickstart").items}
+    assert sorted(children) == ["optimize", "profile", "train"]  # every phase a batch/v1 Job
+    assert children["train"].spec.completion_mode == "Indexed" and children["train"].spec.completions == 1
+    assert all(j.status.succeeded == j.spec.completions for j in children.values())
+    [train_pod] = core.list_namespaced_pod(NS, label_selector="kareus.dev/job-name=quickstart,kareus.dev/role=train,"
+                                                              "batch.kubernetes.io/job-completion-index=0").items
+    assert train_pod.spec.hostname == "quickstart-train-0" and train_pod.spec.subdomain == "quickstart-train"
+    assert "kareus train: 8 steps" in core.read_namespaced_pod_log(train_pod.metadata.name, NS)
     assert train_pod.status.container_statuses[0].image_id and train_pod.status.container_statuses[0].image
     assert train_pod.status.container_statuses[0].state.terminated.exit_code == 0
     wanted = {"PhaseProfiling", "PhaseOptimizing", "PhaseTraining", "PhaseSucceeded"}
@@ -129,8 +179,26 @@ def test_quickstart_end_to_end(cluster):
 
     def children() -> list:
         return [*core.list_namespaced_pod(NS, label_selector=selector).items,
+                *batch.list_namespaced_job(NS, label_selector=selector).items,
                 *core.list_namespaced_config_map(NS, label_selector=selector).items,
                 *core.list_namespaced_service(NS, label_selector=selector).items]
 
     wait_until(children, lambda left: left == [], timeout_s=60, what="garbage collection of the children")
     assert core.read_namespaced_config_map(done["status"]["profile"]["configMap"], NS).data["profile.json"]
+
+
+def test_auto_backend_on_a_pod_without_a_gpu_fails_clearly_and_caches_nothing(cluster):
+    """The emulated node's pods see no NVML device: `profiling.backend: auto` must not pass the
+    simulator's numbers off as this GPU's profile."""
+    _, jobs, core = cluster
+    job = manifest("nogpu")
+    job["spec"]["profiling"] = {"backend": "auto", "reuse": False}
+    jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
+    failed = wait_for(jobs, "nogpu", lambda j: phase(j) in ("Succeeded", "Failed"), timeout_s=180)
+    assert conditions(failed)["Failed"] == ("True", "NoGPUVisible"), failed["status"]
+    message = next(c["message"] for c in failed["status"]["conditions"] if c["type"] == "Failed")
+    assert "no GPU is visible" in message and "not retryable" in message, message
+    assert failed["status"].get("restarts", 0) == 0  # exit 78: the pod failure policy failed the Job at once
+    key = failed["status"]["profile"]["key"]
+    assert not key.startswith("sim-")
+    assert read_or_none(lambda: core.read_namespaced_config_map(failed["status"]["profile"]["configMap"], NS)) is None

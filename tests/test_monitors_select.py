@@ -3,7 +3,7 @@
 The chart's ServiceMonitors and PodMonitor (rendered by Helm) are matched, the way the Prometheus
 Operator matches them, against what really carries the metrics: the operator's and node agent's
 Services and pods (rendered by the same chart) and the training pods the operator builds
-(`manifests.train_pod`). A renamed port or label on either side fails here.
+(`manifests.train_job`'s pod template). A renamed port or label on either side fails here.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def training_pod(gpus_per_node: int) -> dict:
     job["spec"]["training"]["gpusPerNode"] = gpus_per_node
     job["spec"]["parallelism"].update(tensor=1, data=gpus_per_node)  # the GPUs must add up
     spec = parse_job({k: job[k] for k in ("apiVersion", "kind", "metadata", "spec")}).spec
-    return mf.train_pod(job, spec, Settings(), 0)
+    template = mf.train_job(job, spec, Settings())["spec"]["template"]
+    return {**template, "metadata": {**template["metadata"], "namespace": "team-a"}}  # the Job's namespace
 
 
 def test_service_monitors_select_the_operator_and_node_agent_metrics_ports(objects):
@@ -113,5 +114,5 @@ def test_the_pod_monitor_skips_the_other_phases_pods(objects):
     job = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
     job["metadata"].update(namespace="team-a", uid="5678-efgh")
     spec = parse_job({k: job[k] for k in ("apiVersion", "kind", "metadata", "spec")}).spec
-    profile = mf.profile_pod(job, spec, Settings(), "key")
+    profile = mf.profile_job(job, spec, Settings(), "key")["spec"]["template"]
     assert not selects(monitor["spec"]["selector"], profile["metadata"]["labels"])

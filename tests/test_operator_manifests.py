@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,13 @@ def test_operator_metrics_follow_phase_changes():
     assert 'kareus_jobs{phase="Profiling"} 0.0' in text and 'kareus_jobs{phase="Training"} 1.0' in text
     assert 'kareus_phase_seconds_count{phase="Profiling"} 1.0' in text
     assert "kareus_profile_cache_hits_total 1.0" in text
+
+
+def test_progress_summary_counts_straggler_switches_once_each():
+    records = [{"step": i, "iteration_time_s": 0.1, "energy_j": 1.0, "plan_revision": rev, "plan_revision_reason": why,
+                "plan_frontier_row": row}
+               for i, (rev, why, row) in enumerate([(1, "rollout", 0), (1, "rollout", 0), (2, "straggler", 3),
+                                                    (2, "straggler", 3), (3, "recovered", 0), (3, "recovered", 0)])]
+    summary = summarise_progress([json.dumps(r) for r in records])
+    assert summary["stragglerReselections"] == 2 and summary["planFrontierRow"] == 0
+    assert "stragglerReselections" not in summarise_progress([json.dumps(records[0])])

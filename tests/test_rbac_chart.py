@@ -70,7 +70,8 @@ def test_the_chart_grants_every_verb_its_components_use(dev_cluster):
                   for e in by_user[user] if (e.get("annotations") or {}).get("authorization.k8s.io/decision") == "forbid"]
         assert denied == [], f"{user} was denied by RBAC: {denied}"
     operator_verbs = {(e["verb"], e.get("objectRef", {}).get("resource")) for e in by_user[OPERATOR]}
-    assert ("delete", "kareusjobs") in operator_verbs and ("create", "pods") in operator_verbs
+    assert ("delete", "kareusjobs") in operator_verbs and ("create", "jobs") in operator_verbs
+    assert ("create", "pods") not in operator_verbs  # the Job controller makes the phase pods
     # What RBAC cannot restrict, the components restrict themselves — and the log shows it:
     # the node agent lists only its node's pods, the operator lists only the ConfigMaps it labels.
     for user, resource, selector in ((NODE_AGENT, "pods", "fieldSelector=spec.nodeName"),
@@ -131,7 +132,7 @@ def worker_namespace(dev_cluster):
 def test_a_worker_token_can_do_nothing_but_write_configmaps_of_its_namespace(dev_cluster, kube_client,
                                                                             worker_namespace):
     core = client.CoreV1Api(kube_client)
-    as_worker = token_client(dev_cluster, core, worker_namespace, worker_pod(core, worker_namespace, "w-train-0"))
+    as_worker = token_client(dev_cluster, core, worker_namespace, worker_pod(core, worker_namespace, "w-train-0-abcde"))
     as_worker.create_namespaced_config_map(worker_namespace, {"metadata": {
         "name": "w-progress", "labels": {"kareus.dev/job-name": "w"}}, "data": {"a": "1"}})
     worker_api = as_worker.api_client
@@ -156,8 +157,8 @@ def test_a_worker_writes_only_its_own_jobs_configmaps(dev_cluster, kube_client, 
     for name, labels in (("a-plan", {"kareus.dev/job-name": "a"}), ("b-plan", {"kareus.dev/job-name": "b"}),
                          ("kareus-profile-k", {"kareus.dev/profile-key": "k"})):
         core.create_namespaced_config_map(ns, {"metadata": {"name": name, "labels": labels}, "data": {"v": "0"}})
-    a_train = token_client(dev_cluster, core, ns, worker_pod(core, ns, "a-train-0"))
-    b_profile = token_client(dev_cluster, core, ns, worker_pod(core, ns, "b-profile"))
+    a_train = token_client(dev_cluster, core, ns, worker_pod(core, ns, "a-train-0-x7k2p"))
+    b_profile = token_client(dev_cluster, core, ns, worker_pod(core, ns, "b-profile-q9z4m"))
     unbound = token_client(dev_cluster, core, ns, None)
 
     a_train.patch_namespaced_config_map("a-plan", ns, {"data": {"v": "1"}})  # its own job's: fine

@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-prometheus", action="store_true",
                         help="do not run Prometheus (by default a real one scrapes what the chart's monitors "
                              "select; `make prometheus` installs it)")
+    parser.add_argument("--kueue", action="store_true",
+                        help="run the real Kueue controller (`make kueue` builds it) with a ClusterQueue over "
+                             "every GPU and a LocalQueue `kareus` in each worker namespace")
     parser.set_defaults(func=run)
 
 
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                "taint_gpus": args.taint_gpu_nodes, "operator": not args.no_operator,
                "node_agent": not args.no_node_daemon, "operator_args": args.operator_arg,
                "operator_settings": settings, "worker_namespaces": args.worker_namespace or ["default"],
-               "prometheus": not args.no_prometheus}
+               "prometheus": not args.no_prometheus, "kueue": args.kueue}
     with contextlib.suppress(KeyboardInterrupt):
         cluster.serve(workdir, args.kubeconfig, **options)
     return 0

@@ -17,6 +17,7 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kareus.daemon_client import daemon_endpoint
 from kareus.errors import KareusError
 from kareus.profiler.profile import BACKENDS, ProfileProgress, profile_job
 from kareus.search.algorithms import PRESETS
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
                        description=f"{progress.partition} ({progress.types_done + 1}/{progress.types_total})")
 
         document = profile_job(job, backend=backend, preset=preset, seed=args.seed, store_path=args.store,
-                               progress=show, noise_std=args.noise, require_gpu=args.require_gpu)
+                               progress=show, noise_std=args.noise, require_gpu=args.require_gpu,
+                               daemon_endpoint=daemon_endpoint(args.daemon_socket, args.daemon_address))
     document.save(args.out)
     elapsed = time.perf_counter() - started
     grid = sum(p.grid_size for p in document.partitions.values())

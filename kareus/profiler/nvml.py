@@ -131,7 +131,7 @@ class NvmlBackend(ProfilerBackend):
                  measurement_s: float = 5.0, cooldown_s: float = 5.0, warmup_runs: int = 3,
                  torch_devices: Sequence[Any] | None = None, scale: float = 1.0,
                  nvml_module: str = "pynvml", now: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, lock_clocks: bool = True) -> None:
         if devices is None:
             from kareus.gpu import discover
 
@@ -144,6 +144,8 @@ class NvmlBackend(ProfilerBackend):
             f"cuda:{index}" for index in range(len(self.devices))]
         self.scale = scale
         self._now, self._sleep = now, sleep
+        # False when the node daemon holds the clocks (`DaemonLocked`): reading energy needs no privilege.
+        self.lock_clocks = lock_clocks
 
     def _static_power_w(self) -> float:
         """P_static of this GPU model: the calibrated preset, else the idle power read now."""
@@ -161,7 +163,7 @@ class NvmlBackend(ProfilerBackend):
         return tuple(sorted(common, reverse=True))
 
     def _measure(self, clock_mhz: int, make: Callable[[Any], Runnable]) -> tuple[float, float]:
-        with locked_clock(self.devices, clock_mhz):
+        with locked_clock(self.devices if self.lock_clocks else [], clock_mhz):
             self._sleep(self.settings.settle_s)
             workloads = [make(torch_device) for torch_device in self.torch_devices]
             return measure_window(self.devices, workloads, self.settings, now=self._now, sleep=self._sleep)

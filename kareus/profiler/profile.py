@@ -71,24 +71,35 @@ def clock_grid(supported_mhz: tuple[int, ...], *, step_mhz: int = CLOCK_STEP_MHZ
 
 def resolve_backend(backend: str | ProfilerBackend, gpu_product: str, *, noise_std: float = 0.0,
                     seed: int = 0, num_gpus: int = 1, measurement_s: float = 5.0,
-                    cooldown_s: float = 5.0, require_gpu: bool = False) -> ProfilerBackend:
+                    cooldown_s: float = 5.0, require_gpu: bool = False,
+                    daemon_endpoint: str | None = None) -> ProfilerBackend:
     """A backend object for a backend name (`auto` = NVML when a GPU is visible, else simulated,
-    unless `require_gpu`: then no visible GPU is an error, exit code 78)."""
+    unless `require_gpu`: then no visible GPU is an error, exit code 78). With `daemon_endpoint`
+    the node daemon locks the clocks (`DaemonLocked`), as a profiling pod on a cluster does."""
     if isinstance(backend, ProfilerBackend):
-        return backend
+        return _locked_by(backend, daemon_endpoint)
     if backend not in BACKENDS:
         raise KareusError(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend in ("nvml", "auto"):
         from kareus.profiler.nvml import NvmlBackend, nvml_available
 
         if backend == "nvml" or nvml_available():
-            return NvmlBackend(num_gpus=num_gpus, measurement_s=measurement_s, cooldown_s=cooldown_s)
+            return _locked_by(NvmlBackend(num_gpus=num_gpus, measurement_s=measurement_s, cooldown_s=cooldown_s,
+                                          lock_clocks=daemon_endpoint is None), daemon_endpoint)
         if require_gpu:
             raise KareusError(f"no GPU is visible to this process (profiling.backend auto for {gpu_product}): "
                               "NVML found no device, so the profile would be the simulator's; give the pod its "
                               "GPUs, or set spec.profiling.backend: sim to plan on the simulated GPU",
                               exit_code=EXIT_CONFIG)
-    return SimBackend(gpu_product, noise_std=noise_std, seed=seed)
+    return _locked_by(SimBackend(gpu_product, noise_std=noise_std, seed=seed), daemon_endpoint)
+
+
+def _locked_by(backend: ProfilerBackend, daemon_endpoint: str | None) -> ProfilerBackend:
+    if daemon_endpoint is None:
+        return backend
+    from kareus.profiler.daemonlock import DaemonLocked
+
+    return DaemonLocked(backend, daemon_endpoint)
 
 
 def partition_problem(ptype: PartitionType, clocks_mhz: tuple[int, ...], backend: ProfilerBackend,
@@ -116,7 +127,8 @@ def _type_seed(seed: int, name: str) -> int:
 def profile_job(job_spec: Any, *, backend: str | ProfilerBackend = "sim", preset: str = "default",
                 seed: int = 0, store_path: str | Path | None = None,
                 progress: Callable[[ProfileProgress], None] | None = None,
-                noise_std: float = 0.0, require_gpu: bool = False) -> ProfileDocument:
+                noise_std: float = 0.0, require_gpu: bool = False,
+                daemon_endpoint: str | None = None) -> ProfileDocument:
     """Profile every partition type of `job_spec` (a `KareusJob` or `JobSpec`) and its per-clock work."""
     spec = getattr(job_spec, "spec", job_spec)
     descriptor = describe_job(spec)
@@ -127,9 +139,10 @@ def profile_job(job_spec: Any, *, backend: str | ProfilerBackend = "sim", preset
     device = resolve_backend(
         backend, spec.gpu_product, noise_std=noise_std, seed=seed, num_gpus=descriptor.tp * descriptor.cp,
         measurement_s=getattr(profiling, "measurement_seconds", 5.0),
-        cooldown_s=getattr(profiling, "cooldown_seconds", 5.0), require_gpu=require_gpu)
+        cooldown_s=getattr(profiling, "cooldown_seconds", 5.0), require_gpu=require_gpu,
+        daemon_endpoint=daemon_endpoint)
     # A job that pins no product is keyed by the GPU measured; a simulated one says so in its key.
-    simulated = isinstance(device, SimBackend)
+    simulated = isinstance(getattr(device, "backend", device), SimBackend)
     measured_gpu = None if simulated or getattr(spec, "gpu_pinned", True) else device.gpu_name
     key = profile_key(spec, simulated=simulated, gpu_product=measured_gpu)
     algorithm = get_algorithm(preset)

@@ -55,6 +55,16 @@ def summarise_progress(lines: Sequence[str]) -> dict[str, Any]:
     # A worker that lost clock control says so per step (`clock_control: degraded`, with a reason).
     degraded = [r for r in records if r.get("clock_control") == "degraded"]
     extra = {"clockControlDegraded": str(degraded[-1].get("clock_control_reason") or "no reason given")} if degraded else {}
+    # Straggler re-selection (the runtime logs why a replica's plan changed, per step).
+    rows = [r["plan_frontier_row"] for r in records if isinstance(r.get("plan_frontier_row"), int)]
+    if rows:
+        extra["planFrontierRow"] = rows[-1]
+    # A record carries its revision's reason on every step: count the steps where the revision changed.
+    revisions = [(r.get("plan_revision"), r.get("plan_revision_reason")) for r in records]
+    switches = sum(1 for before, now in zip(revisions, revisions[1:])
+                   if now[0] != before[0] and now[1] in ("straggler", "recovered"))
+    if switches:
+        extra["stragglerReselections"] = switches
     return extra | {
         "iterations": len(records),
         "energyJoules": round(energy_j, 6),

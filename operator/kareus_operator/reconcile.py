@@ -187,6 +187,7 @@ class Reconciler:
         self.kube, self.settings, self.metrics = kube, settings, metrics
         self._policy: tuple[float, ClusterPolicy] | None = None
         self._refusals: dict[str, int] = {}  # job uid → refusals in a row (the backoff's exponent)
+        self.power: Any = None  # a kareus_operator.power.PowerAllocator, wired by the controller
 
     # ------------------------------------------------------------------ entry
 
@@ -433,6 +434,8 @@ class Reconciler:
         job_name = mf.train_job_name(p.name)
         child = await self._child(p, "jobs", job_name, "train")
         await self._measure(p, spec)
+        if self.power is not None and await self.power.apply(p, spec, started=child is not None):
+            return  # held by the cluster power budget: no training Job until a pass admits it
         p.status.setdefault("trainingStartTime", iso(p.now))
         if child is None:
             await self._ensure_spec(p)
@@ -516,7 +519,7 @@ class Reconciler:
             return
         reselections = int((p.status.get("plan") or {}).get("reselections", 0)) + 1
         await self.kube.merge_patch(path("v1", "configmaps", p.ns, cm_name), {
-            "metadata": {"annotations": {ANNOTATION_PLAN_REVISION: str(reselections + 1)}},
+            "metadata": {"annotations": {ANNOTATION_PLAN_REVISION: next_plan_revision(cm)}},
             **plan_data(plan.to_json())})
         summary = PlanSummary.of(plan)
         p.status["plan"] = summary.status(cm_name, reselections=reselections, steps=spec.training.steps)
@@ -532,6 +535,8 @@ class Reconciler:
             progress = json.loads(text)
             measured = {"iterations": int(progress["iterations"]), "energyJoules": float(progress["energyJoules"]),
                         "averageIterationSeconds": float(progress["averageIterationSeconds"])}
+            measured |= {key: int(progress[key]) for key in ("planFrontierRow", "stragglerReselections")
+                         if key in progress}
         except (ValueError, KeyError, TypeError):
             return
         if progress.get("clockControlDegraded"):
@@ -699,6 +704,13 @@ def plan_text(cm: Mapping[str, Any] | None) -> str | None:
         except (ValueError, OSError, EOFError) as error:
             return json.dumps({"invalid": f"{PLAN_FILE_GZ} is not gzip-compressed base64 ({error})"})
     return (cm.get("data") or {}).get(PLAN_FILE)
+
+
+def next_plan_revision(cm: Mapping[str, Any] | None) -> str:
+    """The revision a rewritten plan ConfigMap gets: one past its current annotation (a running
+    runtime switches plans when it sees the revision change)."""
+    annotations = ((cm or {}).get("metadata") or {}).get("annotations") or {}
+    return str(int(annotations.get(ANNOTATION_PLAN_REVISION) or 1) + 1)
 
 
 def plan_data(text: str) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from kareus_operator.devcluster.controlplane import (
     stop_process,
 )
 from kareus_operator.devcluster.kubelet import node_cgroup, remove_cgroups
+from kareus_operator.devcluster.kueue import DevKueue, quota_objects
 from kareus_operator.devcluster.prometheus import DevPrometheus, install_monitoring
 
 NODE_NAME = "kareus-dev-node"  # the first node; more are <NODE_NAME>-1, -2, …
@@ -50,6 +51,7 @@ NODE_GPUS = 8
 NODE_GPU_PRODUCT = "A100-SXM4-40GB"
 CHART = REPO_ROOT / "helm" / "kareus"
 RELEASE, RELEASE_NAMESPACE = "kareus", "kareus-system"
+KUEUE_QUEUE = "kareus"  # the dev cluster's ClusterQueue and LocalQueues, with `--kueue`
 STARTUP_TIMEOUT_S = 180.0
 # The kinds the chart renders, in Helm's install order: a workload starts only once the
 # ServiceAccount, ConfigMaps and RBAC it runs with exist.
@@ -89,7 +91,7 @@ class DevCluster(Started):
                  node_agent: bool = True, operator_settings: Mapping[str, str] | None = None,
                  operator_args: Sequence[str] = (), pod_env: Mapping[str, str] | None = None,
                  worker_namespaces: Sequence[str] = ("default",), watch_namespaces: Sequence[str] = (),
-                 prometheus: bool = False) -> None:
+                 prometheus: bool = False, kueue: bool = False) -> None:
         if nodes < 1:
             raise KareusError(f"nodes: must be >= 1, got {nodes}")
         self.workdir = Path(workdir)
@@ -112,6 +114,8 @@ class DevCluster(Started):
         self.daemon_port = free_port()
         self.want_prometheus = prometheus  # a real Prometheus scraping what the chart's monitors select
         self.prometheus: DevPrometheus | None = None
+        self.want_kueue = kueue  # the real Kueue controller, with a ClusterQueue over every GPU
+        self.kueue: DevKueue | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -143,8 +147,17 @@ class DevCluster(Started):
         if self.want_prometheus:
             self.prometheus = DevPrometheus(self.workdir / "prometheus", self.control_plane)
             self.prometheus.start()
+        if self.want_kueue:
+            self.kueue = DevKueue(self.workdir / "kueue", self.control_plane)
+            self.kueue.start()
+            gpus = self.gpus_per_node * self.node_count
+            self.kubectl("apply", "--server-side", "--field-manager=kareus-dev", "-f", "-", input=yaml.safe_dump_all(
+                quota_objects(KUEUE_QUEUE, gpus, list(self.worker_namespaces))))
 
     def stop(self) -> None:
+        if self.kueue is not None:
+            self.kueue.stop()
+            self.kueue = None
         if self.prometheus is not None:
             self.prometheus.stop()
             self.prometheus = None
@@ -162,7 +175,7 @@ class DevCluster(Started):
 
     # ------------------------------------------------------------------ nodes
 
-    def _start_node(self, name: str, *, gpus: int, taint: bool) -> Node:
+    def _start_node(self, name: str, *, gpus: int, taint: bool, gpu_product: str | None = None) -> Node:
         plane = self.control_plane
         assert plane is not None and plane.ca is not None and self._short_root is not None
         identity = plane.identity(f"node-{name}", f"system:node:{name}", ("system:nodes",))
@@ -175,8 +188,9 @@ class DevCluster(Started):
         if not link.exists():
             link.symlink_to(root, target_is_directory=True)
         config = {
-            "spec": {"name": name, "gpus": gpus, "gpu_product": self.gpu_product,
-                     "gpu_uuids": node_gpu_uuids(name, gpus, self.gpu_product) if gpus else [], "taint_gpus": taint,
+            "spec": {"name": name, "gpus": gpus, "gpu_product": gpu_product or self.gpu_product,
+                     "gpu_uuids": node_gpu_uuids(name, gpus, gpu_product or self.gpu_product) if gpus else [],
+                     "taint_gpus": taint,
                      "max_pods": self.pods_per_node, "address": address},
             "root": str(root), "server": plane.url, "ca_file": str(plane.ca_file),
             "cert_file": str(identity.pair.cert_file), "key_file": str(identity.pair.key_file),
@@ -284,10 +298,11 @@ class DevCluster(Started):
             values["policy"] = dict(policy)
         return self.install(release, namespace, values)
 
-    def add_node(self, *, gpus: int = 0) -> str:
-        """One more emulated node (its own loopback address); its name."""
+    def add_node(self, *, gpus: int = 0, gpu_product: str | None = None, taint: bool = False) -> str:
+        """One more emulated node (its own loopback address), of another GPU product if given and
+        with the nvidia.com/gpu taint if asked; its name."""
         name = node_name(self._addresses)
-        self.nodes.append(self._start_node(name, gpus=gpus, taint=False))
+        self.nodes.append(self._start_node(name, gpus=gpus, taint=taint, gpu_product=gpu_product))
         self._wait_nodes_ready()
         return name
 
@@ -348,6 +363,9 @@ def serve(workdir: Path, kubeconfig: Path, **options: Any) -> None:
             print(f"prometheus: {url}", flush=True)
             print(f"  live series in Prometheus' own UI: {url}/graph?g0.expr=kareus_gpu_power_watts (targets at "
                   f"{url}/targets, the chart's alerts at {url}/alerts)", flush=True)
+        if cluster.kueue is not None:
+            print(f"kueue: ClusterQueue and LocalQueue {KUEUE_QUEUE!r} (every GPU); label a KareusJob "
+                  f"kueue.x-k8s.io/queue-name={KUEUE_QUEUE} to queue it", flush=True)
         print("ready", flush=True)
         while not stopping["now"]:
             time.sleep(0.2)
