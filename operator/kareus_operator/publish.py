@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import base64
 import gzip
+import itertools
 import json
 import os
 import signal
@@ -61,7 +62,7 @@ def summarise_progress(lines: Sequence[str]) -> dict[str, Any]:
         extra["planFrontierRow"] = rows[-1]
     # A record carries its revision's reason on every step: count the steps where the revision changed.
     revisions = [(r.get("plan_revision"), r.get("plan_revision_reason")) for r in records]
-    switches = sum(1 for before, now in zip(revisions, revisions[1:])
+    switches = sum(1 for before, now in itertools.pairwise(revisions)
                    if now[0] != before[0] and now[1] in ("straggler", "recovered"))
     if switches:
         extra["stragglerReselections"] = switches

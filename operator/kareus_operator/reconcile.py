@@ -308,6 +308,8 @@ class Reconciler:
         resuming unsuspends it, so the job continues from `status.resumePhase`. A child queued in
         Kueue is suspended and resumed through its Workload (`spec.active`), since Kueue
         unsuspends an admitted Job it sees suspended."""
+        if not spec.suspend and _suspended_for(p) != "Suspended":
+            return False  # no child was suspended for spec.suspend: nothing to resume
         children = [c for c in [await self._child(p, "jobs", name, role)
                                 for name, role in self._child_jobs(p)] if c is not None]
         for child in children:
@@ -334,8 +336,14 @@ class Reconciler:
     async def _set_child_suspended(self, p: _Pass, child: Mapping[str, Any], suspend: bool) -> None:
         name = child["metadata"]["name"]
         if (child["metadata"].get("labels") or {}).get(LABEL_QUEUE):
-            for workload in await self.kube.list(path(KUEUE_API, "workloads", p.ns),
-                                                 f"{KUEUE_JOB_UID}={child['metadata']['uid']}"):
+            try:
+                workloads = await self.kube.list(path(KUEUE_API, "workloads", p.ns),
+                                                 f"{KUEUE_JOB_UID}={child['metadata']['uid']}")
+            except ApiError as error:
+                if error.code != 404:
+                    raise
+                workloads = []  # no Kueue here: the queue label means nothing, so does its Workload
+            for workload in workloads:
                 if bool((workload.get("spec") or {}).get("active", True)) == suspend:
                     await self.kube.merge_patch(path(KUEUE_API, "workloads", p.ns, workload["metadata"]["name"]),
                                                 {"spec": {"active": not suspend}})
