@@ -372,6 +372,14 @@ def reselect(plan: Plan, objective: object, *, steps: int | None = None,
                                       baselines=plan.baselines, now=now), job=plan.job)
 
 
+def plan_at_row(plan: Plan, row: int) -> Plan:
+    """The same plan (frontier, objective) running frontier row `row`: how a straggler or the
+    cluster power budget moves a running job along its frontier."""
+    chosen = plan.frontier.rows[row]
+    return replace(plan, stages=plan.frontier.stages_for(row), selected_row=row,
+                   predicted=Prediction(chosen.time_s, chosen.energy_j))
+
+
 def _now_text() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -33,12 +33,12 @@ steps with and without re-selection.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kareus.errors import KareusError
 from kareus.objective import iteration_budget, parse_objective
-from kareus.plan import Plan, Prediction
+from kareus.plan import Plan
 
 REASON_STRAGGLER = "straggler"
 REASON_RECOVERED = "recovered"
@@ -69,13 +69,6 @@ class Decision:
     reason: str  # "straggler" or "recovered"
     straggler: int | None
     slowdown: float  # the straggler's ratio over the next slowest replica's, minus 1
-
-
-def plan_at_row(plan: Plan, row: int) -> Plan:
-    """The same plan (frontier, objective) running frontier row `row`."""
-    chosen = plan.frontier.rows[row]
-    return replace(plan, stages=plan.frontier.stages_for(row), selected_row=row,
-                   predicted=Prediction(chosen.time_s, chosen.energy_j))
 
 
 def objective_max_time_s(plan: Plan, *, steps: int | None = None) -> float | None:

@@ -7,11 +7,9 @@ that must pick the job up from what it finds in the cluster.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import yaml
-from kube_helpers import PodRecorder
+from kube_helpers import PodRecorder, wait_until
 from kubernetes import client, config
 from operator_fakes import QUICKSTART, STEP_ENERGY_J, conditions, settings_env
 
@@ -47,16 +45,12 @@ def test_operator_killed_in_every_phase_resumes_without_duplicates(dev_cluster, 
 
             killed = []
             for phase in ("Profiling", "Optimizing", "Training"):
-                deadline = time.monotonic() + 120
-                while job_status(jobs).get("phase") != phase:
-                    assert time.monotonic() < deadline, f"never saw phase {phase}: {job_status(jobs)}"
-                    time.sleep(0.05)
+                wait_until(lambda: job_status(jobs), lambda status, phase=phase: status.get("phase") == phase,
+                           timeout_s=120, what=f"phase {phase}", interval_s=0.05)
                 killed.append((phase, kill_operator(core)))
 
-            deadline = time.monotonic() + 180
-            while (status := job_status(jobs)).get("phase") not in ("Succeeded", "Failed"):
-                assert time.monotonic() < deadline, f"job never finished: {status}"
-                time.sleep(0.2)
+            wait_until(lambda: job_status(jobs), lambda status: status.get("phase") in ("Succeeded", "Failed"),
+                       timeout_s=180, what="the job finishing")
     finally:
         dev_cluster.uninstall(objects)
 

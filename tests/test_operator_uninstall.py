@@ -7,12 +7,10 @@ of the real control plane remove everything.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import yaml
+from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
 from operator_fakes import QUICKSTART, settings_env
 
 NS = "bye"
@@ -29,26 +27,15 @@ def test_namespaces_with_jobs_delete_after_the_operator_is_uninstalled(dev_clust
     job["metadata"] = {"name": "left-behind", "namespace": NS}
     del job["spec"]["training"]["command"]
     jobs.create_namespaced_custom_object("kareus.dev", "v1alpha1", NS, "kareusjobs", job)
-    deadline = time.monotonic() + 90
-    while (jobs.get_namespaced_custom_object("kareus.dev", "v1alpha1", NS, "kareusjobs", "left-behind")
-           .get("status") or {}).get("phase") != "Training":
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
-    stored = jobs.get_namespaced_custom_object("kareus.dev", "v1alpha1", NS, "kareusjobs", "left-behind")
+    stored = wait_until(lambda: jobs.get_namespaced_custom_object("kareus.dev", "v1alpha1", NS, "kareusjobs",
+                                                                  "left-behind"),
+                        lambda job: (job.get("status") or {}).get("phase") == "Training", timeout_s=90,
+                        what="left-behind training", interval_s=0.3)
     assert not stored["metadata"].get("finalizers")
 
     dev_cluster.uninstall(objects)  # the operator's Deployment, RBAC, ServiceAccounts go
-    deadline = time.monotonic() + 60
-    while core.list_namespaced_pod("bye-system").items:
-        assert time.monotonic() < deadline, "the operator pod never went away"
-        time.sleep(0.5)
+    wait_until(lambda: core.list_namespaced_pod("bye-system").items, lambda pods: not pods, timeout_s=60,
+               what="the operator pod going away", interval_s=0.5)
     core.delete_namespace(NS)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            core.read_namespace(NS)
-        except ApiException as error:
-            assert error.status == 404
-            break
-        assert time.monotonic() < deadline, "the namespace never finished deleting"
-        time.sleep(0.5)
+    wait_until(lambda: read_or_none(lambda: core.read_namespace(NS)), lambda ns: ns is None, timeout_s=120,
+               what="the namespace finishing deleting", interval_s=0.5)

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 
 import pytest
 import yaml
+from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from operator_fakes import QUICKSTART
@@ -48,15 +49,9 @@ def test_the_chart_grants_every_verb_its_components_use(dev_cluster):
         job["metadata"] = {"name": "audited", "namespace": NS}
         job["spec"]["ttlSecondsAfterFinished"] = 1  # the operator deletes the finished job
         jobs.create_namespaced_custom_object("kareus.dev", "v1alpha1", NS, "kareusjobs", job)
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                jobs.get_namespaced_custom_object("kareus.dev", "v1alpha1", NS, "kareusjobs", "audited")
-            except ApiException as error:
-                assert error.status == 404
-                break
-            assert time.monotonic() < deadline, "the job never finished and expired"
-            time.sleep(0.5)
+        wait_until(lambda: read_or_none(lambda: jobs.get_namespaced_custom_object(
+            "kareus.dev", "v1alpha1", NS, "kareusjobs", "audited")), lambda job: job is None, timeout_s=180,
+            what="the job finishing and expiring", interval_s=0.5)
     finally:
         dev_cluster.uninstall(objects)
     time.sleep(1.0)  # the audit backend writes in batches
@@ -92,11 +87,8 @@ def worker_pod(core: client.CoreV1Api, namespace: str, name: str) -> client.V1Po
         "serviceAccountName": "kareus-worker", "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
         "containers": [{"name": "main", "image": "example.org/test:1",
                         "command": [sys.executable, "-c", "import time; time.sleep(600)"]}]}})
-    deadline = time.monotonic() + 60
-    while (pod := core.read_namespaced_pod(name, namespace)).status.phase != "Running":
-        assert time.monotonic() < deadline, pod.status
-        time.sleep(0.2)
-    return pod
+    return wait_until(lambda: core.read_namespaced_pod(name, namespace), lambda pod: pod.status.phase == "Running",
+                      timeout_s=60, what=f"pod {name} running")
 
 
 def token_client(dev_cluster, core: client.CoreV1Api, namespace: str, pod: client.V1Pod | None) -> client.CoreV1Api:

@@ -26,6 +26,7 @@ from kareus.plan import (
     Prediction,
     Provenance,
     StageOptions,
+    plan_at_row,
 )
 from kareus.runtime import TrainConfig, build_schedule, run_rank
 from kareus.runtime.parallel import init_distributed, spawn_local
@@ -33,7 +34,7 @@ from kareus.runtime.straggler import SimStraggler
 from kareus.sim import Simulator, get_gpu
 from kareus.sim.replica import ceiling_for_slowdown, instruction_cost, replica_iteration
 from kareus.spec import parse_job
-from kareus.straggler import StragglerPolicy, StragglerWatch, plan_at_row, simulate_straggler
+from kareus.straggler import StragglerPolicy, StragglerWatch, simulate_straggler
 from kareus.workload.models import get_preset
 from kareus.workload.partitions import build_workload
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from kareus.daemon_client import ClockClient, DaemonConnection, DaemonError, NullClockClient, connect
 from kareus.errors import KareusError
+from kareus.plan import plan_at_row
 from kareus.runtime.clocking import CudaProgress, HostProgress
 from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, load_tokens
@@ -47,7 +48,7 @@ from kareus.runtime.pipeline import StageExecutor
 from kareus.runtime.reload import PlanRollout, broadcast_bytes
 from kareus.runtime.schedule import Schedule
 from kareus.runtime.straggler import SIM_STRAGGLER_ENV, BusyTimer, SimStraggler, StragglerRuntime
-from kareus.straggler import Decision, StragglerPolicy, plan_at_row
+from kareus.straggler import Decision, StragglerPolicy
 from kareus.workload.models import ModelShape
 from kareus.workload.partitions import build_workload, split_layers
 

@@ -83,18 +83,8 @@ class PodOverride:
 def read_overrides(spec: Fields, read_env, read_resources) -> tuple[PodOverride, ...] | None:
     """`spec.podTemplateOverrides`; `read_env`/`read_resources` are the training section's readers
     (the same fields, the same rules)."""
-    value = spec.data.get("podTemplateOverrides", [])
-    spec.has("podTemplateOverrides")
-    if not isinstance(value, list) or len(value) > MAX_OVERRIDES:
-        spec.error("podTemplateOverrides", f"must be a list of at most {MAX_OVERRIDES} objects, got {describe(value)}")
-        return None
-    before = len(spec.errors)
-    result = []
-    for index, item in enumerate(value):
-        entry = Fields.of(item, f"{spec.at('podTemplateOverrides')}[{index}]", spec.errors)
-        if entry is not None:
-            result.append(_read_entry(entry, read_env, read_resources))
-    return None if len(spec.errors) > before else tuple(result)
+    return _objects(spec, "podTemplateOverrides", lambda entry: _read_entry(entry, read_env, read_resources),
+                    max_items=MAX_OVERRIDES)
 
 
 def _read_entry(entry: Fields, read_env, read_resources) -> PodOverride:
@@ -158,11 +148,12 @@ def _string_map(fields: Fields, key: str, value_pattern: re.Pattern | None, *, m
     return dict(value)
 
 
-def _objects(fields: Fields, key: str, read) -> tuple[dict[str, Any], ...] | None:
+def _objects(fields: Fields, key: str, read, *, max_items: int = MAX_ITEMS) -> tuple[Any, ...] | None:
+    """A list of objects at `key`, each read by `read(Fields)`; None when any of them is wrong."""
     value = fields.data.get(key, [])
     fields.has(key)
-    if not isinstance(value, list) or len(value) > MAX_ITEMS:
-        fields.error(key, f"must be a list of at most {MAX_ITEMS} objects, got {describe(value)}")
+    if not isinstance(value, list) or len(value) > max_items:
+        fields.error(key, f"must be a list of at most {max_items} objects, got {describe(value)}")
         return None
     before = len(fields.errors)
     items = []

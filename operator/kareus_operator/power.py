@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kareus.errors import KareusError
-from kareus.plan import Plan
+from kareus.plan import Plan, plan_at_row
 from kareus.policy import ClusterPolicy, PowerBudget
 from kareus.power_budget import Allocation, Allotment, PowerJob, allocate
 from kareus.spec import JobSpec, SpecError, parse_job
-from kareus.straggler import plan_at_row
 from kareus_operator import conditions as cond
 from kareus_operator import manifests as mf
 from kareus_operator.kube import ApiError, Kube, path

@@ -28,6 +28,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,14 +104,16 @@ class Identity:
     pair: KeyPair
 
 
-class Started:
+class Started(ABC):
     """`with X(...) as x:` for anything with `start()` and `stop()`; a failed start stops what it began."""
 
+    @abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Start the processes; whatever was begun is stopped again if it raises."""
 
+    @abstractmethod
     def stop(self) -> None:
-        raise NotImplementedError
+        """Stop everything `start` began (safe to call after a partial start)."""
 
     def __enter__(self):
         try:
