@@ -248,3 +248,12 @@ def test_progress_summary_counts_straggler_switches_once_each():
     summary = summarise_progress([json.dumps(r) for r in records])
     assert summary["stragglerReselections"] == 2 and summary["planFrontierRow"] == 0
     assert "stragglerReselections" not in summarise_progress([json.dumps(records[0])])
+
+
+def test_job_ports_stay_below_the_ephemeral_range():
+    """An outgoing connection anywhere on a shared host may hold an ephemeral local port (Linux:
+    32768–60999), so a pod listening there could fail with EADDRINUSE (seen in the dev cluster)."""
+    uids = [f"uid-{i}" for i in range(2000)]
+    ports = [mf.master_port(u) for u in uids] + [mf.metrics_port(u) + rank for u in uids for rank in range(8)]
+    assert min(ports) >= 20000 and max(ports) < 32768
+    assert len({mf.metrics_port(u) for u in uids}) > 700  # still spread over many blocks

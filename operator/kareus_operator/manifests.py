@@ -111,15 +111,23 @@ def label_value(text: str) -> str:
     return f"{safe[:52].rstrip('-._')}-{digest}"
 
 
+# A job's listening ports, per job so jobs sharing one host (the dev cluster's emulated nodes share
+# its network) do not collide, and below Linux's ephemeral range (32768–60999 by default), where
+# any outgoing connection on the host may hold the same local port and make the bind fail.
+MASTER_PORTS = (20000, 26000)
+METRICS_PORTS = (26000, 32400)  # 8-port blocks: local rank r serves base + r
+
+
 def master_port(job_uid: str) -> int:
-    """The torch rendezvous port; per job, so jobs sharing a host (the dev cluster) never collide."""
-    return 20000 + zlib.crc32(job_uid.encode()) % 20000
+    """The torch rendezvous port of a job."""
+    low, high = MASTER_PORTS
+    return low + zlib.crc32(job_uid.encode()) % (high - low)
 
 
 def metrics_port(job_uid: str) -> int:
-    """The base of a training pod's metrics ports (local rank r serves base + r): per job, for the
-    same reason as `master_port`; 8-port blocks in 41000–56999."""
-    return 41000 + (zlib.crc32(f"metrics/{job_uid}".encode()) % 2000) * 8
+    """The base of a training pod's metrics ports (local rank r serves base + r)."""
+    low, high = METRICS_PORTS
+    return low + (zlib.crc32(f"metrics/{job_uid}".encode()) % ((high - low) // 8)) * 8
 
 
 def metrics_port_name(local_rank: int) -> str:
