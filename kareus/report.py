@@ -213,9 +213,31 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 h1{margin-bottom:0}.sub{color:#666;margin-top:.2em}
+.lead{font-size:1.15em;font-weight:600;margin:.6em 0}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.3em .7em;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%}
 """
+
+
+def headline_text(summary: Mapping) -> str:
+    """One sentence of the headline, or "" when a method is missing (an NVML run has no
+    nanobatching baselines but always Megatron+Perseus)."""
+    line = summary.get("headline", {})
+    iso_time = line.get("iso_time_energy_reduction_vs_megatron_perseus")
+    if iso_time is None:
+        return ""
+    text = (f"Kareus uses {percent(iso_time)} less energy than Megatron+Perseus at the same iteration time "
+            f"(iso-time)")
+    faster = line.get("max_throughput_time_reduction_vs_megatron")
+    if faster is not None:
+        text += (f"; its fastest plan is {percent(faster)} faster than Megatron-LM with "
+                 f"{percent(line.get('max_throughput_energy_reduction_vs_megatron'))} less energy")
+    training = summary.get("training")
+    if training and training["cpu_proxy"]:
+        text += (f". Trained here: a CPU proxy of {training['model']} ({training['trained_layers']} layers of hidden "
+                 f"{training['trained_hidden']}, {training['trained_sequence_length']} tokens) in real processes "
+                 f"following the plan; time and energy are {training['model']}'s on the simulated GPU")
+    return text + "."
 
 
 def render_report(*, title: str, summary: Mapping, plan: Plan, frontier_png: bytes,
@@ -229,11 +251,13 @@ def render_report(*, title: str, summary: Mapping, plan: Plan, frontier_png: byt
     metric_keys = ("max_throughput_time_reduction", "max_throughput_energy_reduction",
                    "iso_time_energy_reduction", "iso_energy_time_reduction")
     method_rows = [(m.get("label", name), quantity(m["time_s"], "s"), quantity(m["energy_j"], "J"),
-                    *(_percent(m.get(key)) for key in metric_keys))
+                    *(percent(m.get(key)) for key in metric_keys))
                    for name, m in summary.get("methods", {}).items()]
-    plan_rows = [(k, _fmt(v, k)) for k, v in summary.get("plan", {}).items()]
+    plan_rows = [(k, format_value(v, k)) for k, v in summary.get("plan", {}).items()]
+    lead = headline_text(summary)
     sections = [
         f"<h1>{html.escape(title)}</h1>",
+        *([f'<p class="lead">{html.escape(lead)}</p>'] if lead else []),
         f'<p class="sub">profile {html.escape(plan.provenance.profile_key)} · objective '
         f"{html.escape(str(dict(plan.objective)))}</p>",
         "<h2>Iteration frontiers</h2>",
@@ -264,11 +288,12 @@ def _page(title: str, sections: Sequence[str]) -> str:
             f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
 
 
-def _percent(value: float | None) -> str:
-    return "−" if value is None else f"{100 * value:.1f} %"
+def percent(value: float | None) -> str:
+    """A fraction as a percentage with one decimal (never "-0.0 %"); "−" for no value."""
+    return "−" if value is None else f"{100 * value + 0.0:.1f} %"
 
 
-def _fmt(value: object, key: str = "") -> str:
+def format_value(value: object, key: str = "") -> str:
     """A summary value; a key ending in a unit (`_j`, `_s`, `_w`) says which prefix it needs."""
     units = {"_j": "J", "_s": "s", "_w": "W"}
     unit = next((u for suffix, u in units.items() if key.endswith(suffix)), None)

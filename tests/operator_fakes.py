@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 SCRIPT = str(Path(__file__).resolve())
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-tp2.yaml"  # a small valid job
 STEP_ENERGY_J = 123.0
 STEP_TIME_S = 0.25
 

@@ -154,11 +154,11 @@ def test_edges_agree(kube_client, edit):
 
 def test_whole_floats_reach_the_server_as_integers_through_kubectl(kubectl):
     """What `as_kubectl_sends` assumes: YAML's `2.0` is accepted where a CEL rule reads it."""
-    text = (ROOT / "examples" / "quickstart.yaml").read_text().replace("tensor: 2\n", "tensor: 2.0\n")
-    assert "tensor: 2.0" in text
-    assert parse_job(yaml.safe_load(text)).spec.parallelism.tensor == 2
+    text = (ROOT / "examples" / "quickstart.yaml").read_text().replace("tensor: 4\n", "tensor: 4.0\n")
+    assert "tensor: 4.0" in text
+    assert parse_job(yaml.safe_load(text)).spec.parallelism.tensor == 4
     created = kubectl("create", "--dry-run=server", "-o", "json", "-n", "default", "-f", "-", input=text)
-    assert json.loads(created.stdout)["spec"]["parallelism"]["tensor"] == 2
+    assert json.loads(created.stdout)["spec"]["parallelism"]["tensor"] == 4
 
 
 def test_corpus_covers_every_cel_rule(kube_client):
@@ -215,6 +215,19 @@ def models(draw):
 
 
 @st.composite
+def cpu_proxies(draw):
+    proxy = {"layers": draw(usually([1, 2, 4], [0])), "hidden": draw(usually([64, 96], [66])), "ffnHidden": 176,
+             "heads": draw(usually([2, 4, 8], [1, 3, 6])), "kvHeads": draw(usually([1, 2], [4])), "vocab": 256}
+    if draw(st.booleans()):
+        proxy["headDim"] = draw(st.sampled_from([8, 16]))
+    if draw(st.booleans()):
+        proxy["sequenceLength"] = draw(usually([64, 128], [66, 0]))
+    if draw(st.integers(0, 9)) == 0:
+        del proxy[draw(st.sampled_from(sorted(proxy)))]
+    return proxy
+
+
+@st.composite
 def objectives(draw):
     time_forms = [
         {"maxSlowdownPercent": usually([5, 2.5, 1000], [0, -1, 1001])},
@@ -258,6 +271,8 @@ def manifests(draw):
         training["env"] = [{"name": name, "value": "v"} for name in names]
     if draw(st.integers(0, 3)) == 0:
         training["resources"] = {"requests": {"cpu": draw(usually([4, "500m", "64Gi", "1e3"], ["64 GB", 1.5]))}}
+    if draw(st.integers(0, 3)) == 0:
+        training["cpuProxy"] = draw(cpu_proxies())
     spec = {"model": draw(models()), "sequenceLength": draw(usually([64, 128, 4096], [66, 0, 12])),
             "parallelism": par, "objective": draw(objectives()), "training": training}
     optional = {

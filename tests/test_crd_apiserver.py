@@ -29,7 +29,7 @@ CRD = yaml.safe_load(CRD_FILE.read_text())
 [SERVED] = CRD["spec"]["versions"]
 SPEC = SERVED["schema"]["openAPIV3Schema"]["properties"]["spec"]
 COLUMNS = SERVED["additionalPrinterColumns"]
-QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+QUICKSTART = ROOT / "tests" / "data" / "tiny-tp2.yaml"  # a small valid job
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 # wrong-api-version names a version the server does not serve: test_unserved_version_is_not_found.
 INVALID = sorted(p for p in (ROOT / "tests" / "data" / "invalid").glob("*.yaml") if p.stem != "wrong-api-version")

@@ -16,7 +16,7 @@ from kareus_operator.settings import LABEL_QUEUE, Settings
 from kareus.errors import KareusError
 from kareus.spec import parse_job
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-tp2.yaml"  # a small valid job
 
 
 def job_body(nodes: int = 1, queue: str | None = "team-queue") -> dict:

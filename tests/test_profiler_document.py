@@ -25,7 +25,7 @@ from kareus.profiler import (
 from kareus.spec import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+QUICKSTART = ROOT / "tests" / "data" / "tiny-tp2.yaml"  # a small valid job
 LABEL_VALUE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
 
 

@@ -20,12 +20,13 @@ def test_valid_manifests_exit_zero(capsys):
     assert main(["validate", str(QUICKSTART), str(ROOT / "examples" / "llama3.2-3b-a100.yaml")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2
-    assert "valid KareusJob default/quickstart: tiny, TP2 PP1 CP1 DP1 on 2 GPUs" in out[0]
+    assert out[0].endswith("valid KareusJob default/quickstart: llama3.2-3b, TP4 PP1 CP1 DP1 on 4 GPUs, objective "
+                           "maxThroughput; on CPU trains a proxy of 2 layers, hidden 128, 64 tokens")
 
 
 def test_every_error_is_printed_with_file_and_path(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(QUICKSTART.read_text().replace("tensor: 2", "tensor: 0").replace("steps: 8", "steps: -1"))
+    bad.write_text(QUICKSTART.read_text().replace("tensor: 4", "tensor: 0").replace("steps: 8", "steps: -1"))
     assert main(["validate", str(QUICKSTART), str(bad)]) == 1
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [

@@ -31,7 +31,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 @pytest.fixture
 def quickstart() -> dict:
-    return yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    return yaml.safe_load((ROOT / "tests" / "data" / "tiny-tp2.yaml").read_text())
 
 
 def errors_of(manifest: dict) -> dict[str, str]:
@@ -42,12 +42,17 @@ def test_quickstart_is_the_documented_job():
     job = load_job(ROOT / "examples" / "quickstart.yaml")
     spec = job.spec
     assert (job.name, job.namespace) == ("quickstart", "default")
-    assert spec.model_shape() == PRESETS["tiny"]
+    assert spec.model_shape() == PRESETS["llama3.2-3b"]
     par = spec.parallelism
-    assert (par.tensor, par.pipeline, par.context, par.data) == (2, 1, 1, 1)
-    assert (par.micro_batch_size, par.num_micro_batches) == (4, 2)
+    assert (par.tensor, par.pipeline, par.context, par.data) == (4, 1, 1, 1)
+    assert (par.micro_batch_size, par.num_micro_batches) == (8, 2)
     assert par.activation_checkpointing and par.nanobatching
-    assert spec.sequence_length == 64 and spec.training.steps == 8 and spec.num_gpus == 2
+    assert spec.sequence_length == 4096 and spec.training.steps == 8 and spec.num_gpus == 4
+    # On CPU a narrow proxy trains; its structure is the model's, its sizes its own.
+    proxy = spec.cpu_proxy_shape()
+    assert (proxy.num_layers, proxy.hidden_size, proxy.num_heads, proxy.num_kv_heads, proxy.head_dim) == (2, 128, 8, 4, 16)
+    assert (proxy.qk_norm, proxy.tied_embeddings, proxy.rope_theta) == (False, True, PRESETS["llama3.2-3b"].rope_theta)
+    assert spec.cpu_proxy_sequence_length == 64
     assert spec.objective == MaxThroughput()
     assert spec.gpu_product == "A100-SXM4-40GB"
     assert spec.training.command == ("kareus", "train")

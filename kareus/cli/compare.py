@@ -23,6 +23,7 @@ from kareus.errors import KareusError
 from kareus.optimizer.baselines import LABELS, Comparison, compare_methods
 from kareus.optimizer.frontier import FrontierSettings
 from kareus.profiler.document import ProfileDocument
+from kareus.report import percent, quantity
 from kareus.sim import paramsfile
 from kareus.spec import load_job
 
@@ -91,31 +92,27 @@ def _profile(job, args: argparse.Namespace, calibration: paramsfile.SimCalibrati
                        preset=args.preset or job.spec.profiling.preset, seed=args.seed)
 
 
-def _percent(value: float | None) -> str:
-    return "−" if value is None else f"{100 * value + 0.0:.1f} %"
-
-
 def print_comparison(comparison: Comparison, console: Console) -> None:
     """The paper's tables: max-throughput point and iso-time/iso-energy metrics, then frontiers."""
     metrics = comparison.metrics["per_method"]
     table = Table(title="Kareus vs baselines (reductions: positive = less)")
-    for header in ("method", "max-thr. s", "kJ", "time↓ vs M", "energy↓ vs M", "iso-time E↓", "iso-energy T↓",
+    for header in ("method", "max-thr. time", "energy", "time↓ vs M", "energy↓ vs M", "iso-time E↓", "iso-energy T↓",
                    "plans"):
         table.add_column(header, justify="left" if header == "method" else "right")
     for name, result in comparison.methods.items():
         t, e = min(result.points)
         row = metrics.get(name, {})
-        table.add_row(LABELS[name], f"{t:.4g}", f"{e / 1e3:.4g}",
-                      _percent(row.get("max_throughput_time_reduction")),
-                      _percent(row.get("max_throughput_energy_reduction")),
-                      _percent(row.get("iso_time_energy_reduction")),
-                      _percent(row.get("iso_energy_time_reduction")), str(len(result.points)))
+        table.add_row(LABELS[name], quantity(t, "s"), quantity(e, "J"),
+                      percent(row.get("max_throughput_time_reduction")),
+                      percent(row.get("max_throughput_energy_reduction")),
+                      percent(row.get("iso_time_energy_reduction")),
+                      percent(row.get("iso_energy_time_reduction")), str(len(result.points)))
     console.print(table)
-    console.print("M = Megatron-LM at max clock; iso-time/iso-energy against Megatron+Perseus; kJ = iteration "
+    console.print("M = Megatron-LM at max clock; iso-time/iso-energy against Megatron+Perseus; energy = iteration "
                   "energy of all GPUs, static included; − = no plan meets the constraint")
     for name, result in comparison.methods.items():
         points = sample_points(result.points, FRONTIER_SAMPLES)
-        shown = ", ".join(f"({t:.3f} s, {e / 1e3:.2f} kJ)" for t, e in points)
+        shown = ", ".join(f"({quantity(t, 's')}, {quantity(e, 'J')})" for t, e in points)
         console.print(f"[bold]{LABELS[name]}[/bold] frontier: {shown}")
 
 

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from kareus.cli import stdout_console
 from kareus.errors import KareusError
+from kareus.report import format_value, headline_text, percent, quantity
 
 BACKENDS = ("auto", "sim", "nvml")
 
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_train:
         with _progress(console) as bar:
             records = _train(job, plan, out, args, bar)
-    summary = build_summary(comparison, records)
+    summary = build_summary(comparison, records, job)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     _write_report(job, summary, plan, out, records)
     print_summary(summary, console)
@@ -184,7 +185,7 @@ def _train(job, plan, out: Path, args: argparse.Namespace, bar: Progress) -> lis
         daemon=True)
     watcher.start()
     try:
-        train(job, plan, steps=steps, seed=args.seed, out_dir=str(out))
+        train(job, plan, steps=steps, seed=args.seed, out_dir=str(out), sim_params=args.sim_params)
     finally:
         done.set()
         watcher.join()
@@ -221,8 +222,9 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-def build_summary(comparison, records: list[dict]) -> dict:
-    """`summary.json`: per method the max-throughput point, the paper's metrics, the chosen plan."""
+def build_summary(comparison, records: list[dict], job=None) -> dict:
+    """`summary.json`: the headline (Kareus against Megatron+Perseus at iso-time), per method the
+    max-throughput point and the paper's metrics, the chosen plan, and what trained."""
     from kareus.optimizer.baselines import LABELS
     from kareus.optimizer.metrics import fastest
 
@@ -251,18 +253,44 @@ def build_summary(comparison, records: list[dict]) -> dict:
                 sum(r["modelled_time_s"] for r in measured) / len(measured))
         chosen["first_loss"] = records[0]["loss"]
         chosen["last_loss"] = records[-1]["loss"]
-    return {"methods": methods, "metrics": {k: v for k, v in kareus.items()}, "plan": chosen,
-            "profile_key": plan.provenance.profile_key}
+    summary = {"headline": headline(per_method), "methods": methods, "metrics": dict(kareus), "plan": chosen,
+               "profile_key": plan.provenance.profile_key}
+    if job is not None and records:
+        summary["training"] = trained_model(job, records)
+    return summary
+
+
+def headline(per_method: dict) -> dict:
+    """The comparison the run leads with: Kareus' least energy at Megatron+Perseus' fastest
+    iteration time (iso-time), and its fastest plan against Megatron-LM."""
+    kareus = per_method.get("kareus", {})
+    return {"iso_time_energy_reduction_vs_megatron_perseus": kareus.get("iso_time_energy_reduction"),
+            "iso_energy_time_reduction_vs_megatron_perseus": kareus.get("iso_energy_time_reduction"),
+            "max_throughput_time_reduction_vs_megatron": kareus.get("max_throughput_time_reduction"),
+            "max_throughput_energy_reduction_vs_megatron": kareus.get("max_throughput_energy_reduction")}
+
+
+def trained_model(job, records: list[dict]) -> dict:
+    """The model the processes trained: the job's, or on CPU its proxy (time and energy stay the
+    job's model's on the simulated GPU)."""
+    spec = job.spec
+    proxy = spec.cpu_proxy_shape() if records[-1].get("energy_source") != "nvml" else None
+    shape = proxy or spec.model_shape()
+    return {"model": spec.model_shape().name, "cpu_proxy": proxy is not None, "trained_layers": shape.num_layers,
+            "trained_hidden": shape.hidden_size,
+            "trained_sequence_length": spec.cpu_proxy_sequence_length if proxy else spec.sequence_length}
 
 
 def print_summary(summary: dict, console: Console) -> None:
+    if text := headline_text(summary):
+        console.print(f"[bold]{text}[/bold]")
     table = Table(title="Per method: max-throughput iteration (all GPUs, static energy included) and "
                         "reductions (positive = less)")
-    for header in ("method", "time (s)", "energy (kJ)", *METRIC_LABELS.values()):
+    for header in ("method", "time", "energy", *METRIC_LABELS.values()):
         table.add_column(header, justify="left" if header == "method" else "right")
     for m in summary["methods"].values():
-        table.add_row(m["label"], f"{m['time_s']:.4g}", f"{m['energy_j'] / 1e3:.4g}",
-                      *(_percent(m.get(key)) for key in METRIC_LABELS))
+        table.add_row(m["label"], quantity(m["time_s"], "s"), quantity(m["energy_j"], "J"),
+                      *(percent(m.get(key)) for key in METRIC_LABELS))
     console.print(table)
     console.print("Megatron = Megatron-LM at max clock; iso-time/iso-energy against Megatron+Perseus; "
                   "− = no plan meets the constraint")
@@ -270,7 +298,7 @@ def print_summary(summary: dict, console: Console) -> None:
     plan.add_column("quantity")
     plan.add_column("value", justify="right")
     for key, value in summary["plan"].items():
-        plan.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        plan.add_row(key, format_value(value, key))
     console.print(plan)
 
 
@@ -280,10 +308,6 @@ METRIC_LABELS = {
     "iso_time_energy_reduction": "iso-time energy",
     "iso_energy_time_reduction": "iso-energy time",
 }
-
-
-def _percent(value: float | None) -> str:
-    return "−" if value is None else f"{100 * value:.1f} %"
 
 
 def _write_report(job, summary: dict, plan, out: Path, records: list[dict]) -> None:

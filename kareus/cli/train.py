@@ -58,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="one GPU, tensor 1: run an exact no-op kernel on the comm stream where an "
                              "all-reduce would be, to exercise the overlap machinery")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    from kareus.sim import paramsfile
+
+    paramsfile.add_argument(parser)  # the simulated GPU's accounting on CPU, as profiling used
     parser.set_defaults(func=run)
 
 
@@ -81,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     log_to_stderr()
     job = load_job(args.job)
+    if args.sim_params:
+        from kareus.sim import paramsfile
+
+        paramsfile.load(args.sim_params)  # one clear error here, not one per rank at its first step
     plan, digest = read_plan(args.plan) if args.plan else (None, None)
     overrides = {"seed": args.seed, "data_path": args.data, "out_dir": args.out, "lr": args.lr,
                  "optimizer": args.optimizer,
@@ -88,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                  "daemon_socket": daemon_endpoint(args.daemon_socket, args.daemon_address),
                  "metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr, "device": args.device,
                  "dtype": args.dtype, "comm_standin": args.comm_standin,
-                 "job_name": job.name, "plan_path": args.plan, "plan_digest": digest}
+                 "job_name": job.name, "plan_path": args.plan, "plan_digest": digest, "sim_params": args.sim_params}
     if args.steps is not None:
         overrides["steps"] = args.steps
     if plan is not None:

@@ -26,9 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _summary(job: KareusJob) -> str:
     spec = job.spec
     par = spec.parallelism
+    proxy = spec.cpu_proxy_shape()
+    on_cpu = (f"; on CPU trains a proxy of {proxy.num_layers} layers, hidden {proxy.hidden_size}, "
+              f"{spec.cpu_proxy_sequence_length} tokens" if proxy else "")
     return (f"valid KareusJob {job.namespace}/{job.name}: {spec.model_shape().name}, "
             f"TP{par.tensor} PP{par.pipeline} CP{par.context} DP{par.data} on {spec.num_gpus} GPUs, "
-            f"objective {spec.objective.kind}")
+            f"objective {spec.objective.kind}{on_cpu}")
 
 
 def run(args: argparse.Namespace) -> int:

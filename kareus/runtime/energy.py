@@ -57,15 +57,17 @@ class SimulatedEnergy:
 
     `clock_ceiling_mhz` caps every clock (a slower simulated GPU: the `KAREUS_SIM_STRAGGLER` knob);
     `replica` keeps the per-replica numbers (`kareus.sim.replica.ReplicaIteration`), so a replica
-    that waits for a slower one can be charged static power for the wait."""
+    that waits for a slower one can be charged static power for the wait. `sim_params` is a
+    `kareus sim calibrate` file (the shipped presets without one), as profiling used."""
 
     def __init__(self, workload: Workload, gpu_product: str, schedule: Schedule, gpus_per_stage: int, *,
-                 clock_ceiling_mhz: float | None = None) -> None:
-        from kareus.sim import Simulator, get_gpu  # the simulator is only needed for CPU accounting
+                 clock_ceiling_mhz: float | None = None, sim_params: str | None = None) -> None:
+        from kareus.sim import paramsfile  # the simulator is only needed for CPU accounting
         from kareus.sim.replica import replica_iteration
 
-        self.gpu = get_gpu(gpu_product)
-        self.simulator = Simulator(self.gpu)
+        calibration = paramsfile.load_or_default(sim_params)
+        self.gpu = calibration.gpu(gpu_product)
+        self.simulator = calibration.simulator(self.gpu)
         self.workload = workload
         self.gpus_per_stage = gpus_per_stage
         if len(workload.stages) != schedule.num_stages:

@@ -58,8 +58,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
+class TrainedModel:
+    """What a run's processes train: the job's model, or on CPU its proxy (`spec.training.cpuProxy`)."""
+
+    shape: ModelShape
+    seq_len: int
+    layers_per_stage: tuple[int, ...]
+    proxy: bool = False
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    """One training run; sizes as in the job spec."""
+    """One training run; sizes as in the job spec.
+
+    `shape`, `seq_len` and the stage split are the job's model: what the plan was made for and what
+    the simulated GPU accounts time and energy for. `cpu_proxy` (shape, sequence length) is what
+    the processes train instead when they run on CPU (`trained_model`)."""
 
     shape: ModelShape
     seq_len: int
@@ -97,6 +111,8 @@ class TrainConfig:
     straggler_recovery_steps: int = 3
     # Test/demo knob: one simulated replica slower (`REPLICA:SLOWDOWN[@FIRST-END]`, runtime.straggler).
     sim_straggler: str | None = field(default_factory=lambda: os.environ.get(SIM_STRAGGLER_ENV) or None)
+    cpu_proxy: tuple[ModelShape, int] | None = None  # trained on CPU instead of (shape, seq_len)
+    sim_params: str | None = None  # `kareus sim calibrate` file for the simulated GPU's accounting
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -127,6 +143,14 @@ class TrainConfig:
     def layers_per_stage(self) -> tuple[int, ...]:
         return self.stage_layers or split_layers(self.shape.num_layers, self.pp)
 
+    def trained_model(self, cuda: bool) -> TrainedModel:
+        """The job's model on a GPU; on CPU its proxy when the job has one (same layout and
+        schedule, the job's model still what time and energy are accounted for)."""
+        if cuda or self.cpu_proxy is None:
+            return TrainedModel(self.shape, self.seq_len, self.layers_per_stage)
+        shape, seq_len = self.cpu_proxy
+        return TrainedModel(shape, seq_len, split_layers(shape.num_layers, self.pp), proxy=True)
+
     @classmethod
     def from_job(cls, spec, **overrides) -> TrainConfig:
         """From a `kareus.spec.JobSpec` (or a `KareusJob`, whose `.spec` is used)."""
@@ -135,8 +159,13 @@ class TrainConfig:
         base = cls(shape=spec.model_shape(), seq_len=spec.sequence_length, tp=par.tensor, pp=par.pipeline,
                    dp=par.data, cp=par.context, micro_batch_size=par.micro_batch_size, num_microbatches=par.num_micro_batches,
                    activation_checkpointing=par.activation_checkpointing, steps=spec.training.steps,
-                   gpu_product=spec.gpu_product)
+                   gpu_product=spec.gpu_product, cpu_proxy=_cpu_proxy(spec))
         return replace(base, **overrides)
+
+
+def _cpu_proxy(spec) -> tuple[ModelShape, int] | None:
+    shape = spec.cpu_proxy_shape()
+    return None if shape is None else (shape, spec.cpu_proxy_sequence_length)
 
 
 @dataclass(frozen=True)
@@ -156,6 +185,7 @@ class TrainResult:
     clock_control: tuple[str, ...] = ()  # per step: active | none | degraded (any rank)
     frontier_rows: tuple[int | None, ...] = ()  # per step: the frontier row this rank's replica ran
     straggler_decisions: tuple[Decision, ...] = ()  # the re-selections, as every rank decided them
+    cpu_proxy: bool = False  # the processes trained spec.training.cpuProxy (a CPU run), not the job's model
 
 
 def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
@@ -170,8 +200,13 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     _check(config, schedule)
     torch.manual_seed(config.seed)
     cuda = ctx.device.type == "cuda"
-    layout = StageLayout.of(ctx.pp_rank, config.layers_per_stage)
-    model = StageModel(config.shape, layout, tp=config.tp, tp_rank=ctx.tp_rank, seed=config.seed,
+    trained = config.trained_model(cuda)
+    if trained.proxy and ctx.rank == 0:
+        log.info("training the CPU proxy %s (hidden %d, %d layers, %d tokens per sequence); time and energy are "
+                 "%s's on the simulated %s", trained.shape.name, trained.shape.hidden_size, trained.shape.num_layers,
+                 trained.seq_len, config.shape.name, config.gpu_product)
+    layout = StageLayout.of(ctx.pp_rank, trained.layers_per_stage)
+    model = StageModel(trained.shape, layout, tp=config.tp, tp_rank=ctx.tp_rank, seed=config.seed,
                        device=ctx.device, dtype=DTYPES[config.dtype])
     tp, cp = _comms(ctx, config, schedule, cuda)
     meter = _nvml_meter(ctx) if cuda else None
@@ -182,10 +217,12 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     progress = CudaProgress() if cuda else HostProgress()
     follower = PlanFollower(schedule.stages[ctx.pp_rank], stage=ctx.pp_rank, clock=clock, progress=progress,
                             lead_s=config.clock_lead_s)
-    executor = StageExecutor(model, ctx, tp, follower, config.seq_len, config.micro_batch_size,
+    executor = StageExecutor(model, ctx, tp, follower, trained.seq_len, config.micro_batch_size,
                              config.activation_checkpointing, cp)
-    batcher = Batcher(load_tokens(config.data_path, config.shape.vocab_size), config.seq_len,
+    batcher = Batcher(load_tokens(config.data_path, trained.shape.vocab_size), trained.seq_len,
                       config.micro_batch_size, config.num_microbatches, config.dp, config.seed)
+    # Tokens per step of the job's model: what its (simulated or measured) energy is spent on.
+    tokens_per_step = batcher.global_batch_size * config.seq_len
     source = "nvml" if meter else "simulated"
     knob = SimStraggler.parse(config.sim_straggler) if not meter else None
     running = _Running(config, schedule, plan, simulate=meter is None, slowdown=knob.slowdown if knob else 0.0)
@@ -230,8 +267,8 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             loss, elapsed, job_j, control = _reduce_step(ctx, local_loss, elapsed, gpu_j, clock)
             rows_ran = straggle.rows
             decision = straggle.observe(step, replica_s) if replica_s is not None else None
-            record = StepRecord(step, loss, elapsed, job_j, batcher.tokens_per_step,
-                                batcher.tokens_per_step / job_j if job_j > 0 else 0.0,
+            record = StepRecord(step, loss, elapsed, job_j, tokens_per_step,
+                                tokens_per_step / job_j if job_j > 0 else 0.0,
                                 modelled_s, source, outputs.clock_summary, *running.record_fields(), *control,
                                 **running.straggler_fields(straggle, rows_ran, replica_s))
             outputs.write(record, gpu_j)
@@ -244,11 +281,11 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
         follower.close()
         clock.close()
     result = TrainResult(tuple(r.loss for r in records), tuple(r.iteration_time_s for r in records),
-                         tuple(r.energy_j for r in records), batcher.tokens_per_step, source,
+                         tuple(r.energy_j for r in records), tokens_per_step, source,
                          records[-1].modelled_time_s if records else None, tuple(follower.log), config.out_dir,
                          outputs.metrics_port, tuple(r.plan_revision for r in records),
                          tuple(r.clock_control for r in records), tuple(running.rows_run),
-                         tuple(decisions))
+                         tuple(decisions), trained.proxy)
     return result, (model if keep_model else None)
 
 
@@ -453,7 +490,7 @@ def _simulated_energy(config: TrainConfig, schedule: Schedule, clock_ceiling_mhz
                               micro_batch_size=mbs, activation_checkpointing=config.activation_checkpointing,
                               stage_layers=config.layers_per_stage)
     return SimulatedEnergy(workload, config.gpu_product, schedule, config.tp * config.cp * config.dp,
-                           clock_ceiling_mhz=clock_ceiling_mhz)
+                           clock_ceiling_mhz=clock_ceiling_mhz, sim_params=config.sim_params)
 
 
 def _optimizer(config: TrainConfig, model: StageModel) -> torch.optim.Optimizer:

@@ -17,6 +17,7 @@ from kareus.spec.parse import (
 from kareus.spec.types import (
     DEFAULT_GPU_PRODUCT,
     DEFAULT_MANAGED_BY,
+    CpuProxySpec,
     EnergyBudget,
     EnvVar,
     JobSpec,
@@ -34,6 +35,7 @@ from kareus.spec.types import (
 __all__ = [
     "DEFAULT_GPU_PRODUCT",
     "DEFAULT_MANAGED_BY",
+    "CpuProxySpec",
     "EnergyBudget",
     "EnvVar",
     "FieldError",

@@ -18,12 +18,23 @@ from typing import Any
 
 import yaml
 
-from kareus.spec.fields import FieldError, Fields, SpecError, as_integer, describe, is_integer, parse_rfc3339
+from kareus.spec.fields import (
+    REQUIRED,
+    FieldError,
+    Fields,
+    SpecError,
+    as_integer,
+    describe,
+    is_integer,
+    parse_rfc3339,
+)
 from kareus.spec.overrides import read_overrides
 from kareus.spec.types import (
     DEFAULT_GPU_PRODUCT,
     EXPLICIT_REQUIRED,
+    PROXY_FIELDS,
     SHAPE_FIELDS,
+    CpuProxySpec,
     EnergyBudget,
     EnvVar,
     JobSpec,
@@ -349,11 +360,24 @@ def _read_training(train: Fields | None) -> TrainingSpec | None:
     nodes = train.integer("nodes", maximum=MAX_NODES)
     env = _read_env(train)
     resources = _read_resources(train.mapping("resources")) if train.has("resources") else None
+    cpu_proxy = _read_cpu_proxy(train.mapping("cpuProxy")) if train.has("cpuProxy") else None
     train.finish()
     if len(train.errors) > before:
         return None
     return TrainingSpec(image=image, steps=steps, gpus_per_node=gpus_per_node, nodes=nodes, command=command,
-                        args=args, env=env, resources=resources)
+                        args=args, env=env, resources=resources, cpu_proxy=cpu_proxy)
+
+
+def _read_cpu_proxy(proxy: Fields | None) -> CpuProxySpec | None:
+    if proxy is None:
+        return None
+    before = len(proxy.errors)
+    dims = {key: value for key in PROXY_FIELDS
+            if (value := proxy.integer(key, None if key == "headDim" else REQUIRED, maximum=MODEL_BOUNDS[key]))
+            is not None}
+    sequence_length = proxy.integer("sequenceLength", None, maximum=MAX_SEQUENCE_LENGTH)
+    proxy.finish()
+    return None if len(proxy.errors) > before else CpuProxySpec(dims=dims, sequence_length=sequence_length)
 
 
 def _read_env(train: Fields) -> tuple[EnvVar, ...]:
@@ -428,12 +452,8 @@ def cross_field_errors(spec: JobSpec, path: str = "spec") -> list[FieldError]:
     par = spec.parallelism
     shape = spec.model_shape()
     model_path = f"{path}.model"
-    if shape.num_heads % shape.num_kv_heads:
-        errors.append(FieldError(f"{model_path}.kvHeads", f"heads ({shape.num_heads}) must be a multiple of "
-                                 f"kvHeads ({shape.num_kv_heads}) for grouped-query attention"))
-    if spec.model.preset is None and "headDim" not in spec.model.overrides and shape.hidden_size % shape.num_heads:
-        errors.append(FieldError(f"{model_path}.headDim", f"required when hidden ({shape.hidden_size}) is not "
-                                 f"divisible by heads ({shape.num_heads})"))
+    errors += _attention_errors(shape, model_path, explicit_head_dim=spec.model.preset is not None
+                                or "headDim" in spec.model.overrides)
     if shape.num_heads % par.tensor:
         errors.append(FieldError(f"{path}.parallelism.tensor", f"must divide the number of attention heads "
                                  f"({shape.num_heads}), got {par.tensor}"))
@@ -446,15 +466,48 @@ def cross_field_errors(spec: JobSpec, path: str = "spec") -> list[FieldError]:
     if par.nanobatching and (par.micro_batch_size < 2 or par.micro_batch_size % 2):
         errors.append(FieldError(f"{path}.parallelism.microBatchSize", "must be even and >= 2 when "
                                  f"nanobatching is on (two equal nanobatches), got {par.micro_batch_size}"))
-    chunks = 1 if par.context == 1 else 2 * par.context
-    if spec.sequence_length % chunks:
-        errors.append(FieldError(f"{path}.sequenceLength", f"must be divisible by {chunks} (2 × context "
-                                 "parallelism, for load-balanced context parallel chunks), "
-                                 f"got {spec.sequence_length}"))
+    errors += _sequence_errors(spec.sequence_length, par.context, f"{path}.sequenceLength")
     if par.world_size != spec.num_gpus:
         errors.append(FieldError(f"{path}.parallelism", f"tensor × pipeline × context × data = {par.world_size} "
                                  f"must equal training.nodes × training.gpusPerNode = {spec.num_gpus}"))
+    if spec.training.cpu_proxy is not None:
+        errors += _proxy_errors(spec, f"{path}.training.cpuProxy")
     return errors
+
+
+def _attention_errors(shape, path: str, *, explicit_head_dim: bool) -> list[FieldError]:
+    errors = []
+    if shape.num_heads % shape.num_kv_heads:
+        errors.append(FieldError(f"{path}.kvHeads", f"heads ({shape.num_heads}) must be a multiple of "
+                                 f"kvHeads ({shape.num_kv_heads}) for grouped-query attention"))
+    if not explicit_head_dim and shape.hidden_size % shape.num_heads:
+        errors.append(FieldError(f"{path}.headDim", f"required when hidden ({shape.hidden_size}) is not "
+                                 f"divisible by heads ({shape.num_heads})"))
+    return errors
+
+
+def _sequence_errors(sequence_length: int, context: int, path: str) -> list[FieldError]:
+    chunks = 1 if context == 1 else 2 * context
+    if sequence_length % chunks:
+        return [FieldError(path, f"must be divisible by {chunks} (2 × context parallelism, for load-balanced "
+                                 f"context parallel chunks), got {sequence_length}")]
+    return []
+
+
+def _proxy_errors(spec: JobSpec, path: str) -> list[FieldError]:
+    """The proxy runs the job's layout: its heads split over the same tensor-parallel ranks, its
+    layers over the same stages, its sequence over the same context-parallel ranks."""
+    proxy, par = spec.training.cpu_proxy, spec.parallelism
+    shape = spec.cpu_proxy_shape()
+    errors = _attention_errors(shape, path, explicit_head_dim="headDim" in proxy.dims)
+    for key, count in (("heads", shape.num_heads), ("kvHeads", shape.num_kv_heads)):
+        if count % par.tensor:
+            errors.append(FieldError(f"{path}.{key}", f"must be divisible by parallelism.tensor ({par.tensor}): "
+                                     f"the proxy runs the job's layout, got {count}"))
+    if shape.num_layers < par.pipeline:
+        errors.append(FieldError(f"{path}.layers", f"must be at least parallelism.pipeline ({par.pipeline}): "
+                                 f"every stage holds a layer, got {shape.num_layers}"))
+    return errors + _sequence_errors(spec.cpu_proxy_sequence_length, par.context, f"{path}.sequenceLength")
 
 
 def immutable_changes(old: JobSpec, new: JobSpec, path: str = "spec") -> list[FieldError]:

@@ -37,6 +37,9 @@ SHAPE_FIELDS: tuple[tuple[str, str], ...] = (
 )
 # What an explicit shape must give when there is no preset to start from.
 EXPLICIT_REQUIRED = ("layers", "hidden", "ffnHidden", "heads", "kvHeads", "vocab")
+# A CPU proxy's dimensions: the sizes only. Its structure (q/k norms, tied embeddings, RoPE base)
+# is the model's, so its partitions have the same operators and launch slots as the plan's.
+PROXY_FIELDS = ("layers", "hidden", "ffnHidden", "heads", "kvHeads", "headDim", "vocab")
 
 
 def _drop_none(mapping: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +186,32 @@ class ResourcesSpec:
 
 
 @dataclass(frozen=True)
+class CpuProxySpec:
+    """A narrow stand-in the runtime trains when it runs on CPU (no GPU visible).
+
+    Profiling, the plan and every time and energy number stay those of the job's model on its
+    simulated GPU; the proxy only makes the real runtime (processes, collectives, the plan's
+    schedule, clock requests) run in seconds. `dims` maps `PROXY_FIELDS` names to values (all but
+    `headDim` required; it defaults to hidden / heads); `sequence_length` defaults to the job's.
+    On a GPU the proxy is ignored: the job's model trains.
+    """
+
+    dims: dict[str, int] = field(default_factory=dict)
+    sequence_length: int | None = None
+
+    def __hash__(self) -> int:
+        return hash((_items(self.dims), self.sequence_length))
+
+    def shape(self, model: ModelShape) -> ModelShape:
+        attrs = dict(SHAPE_FIELDS)
+        values = {"headDim": self.dims["hidden"] // self.dims["heads"]} | dict(self.dims)
+        return replace(model, name=f"{model.name}-cpu-proxy", **{attrs[key]: value for key, value in values.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.dims) | _drop_none({"sequenceLength": self.sequence_length})
+
+
+@dataclass(frozen=True)
 class TrainingSpec:
     """The training pods: one per node, each with `gpus_per_node` GPUs, running `steps` iterations."""
 
@@ -194,6 +223,7 @@ class TrainingSpec:
     args: tuple[str, ...] = ()
     env: tuple[EnvVar, ...] = ()
     resources: ResourcesSpec | None = None
+    cpu_proxy: CpuProxySpec | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"image": self.image}
@@ -206,6 +236,8 @@ class TrainingSpec:
             out["env"] = [{"name": var.name, "value": var.value} for var in self.env]
         if self.resources is not None:
             out["resources"] = self.resources.to_dict()
+        if self.cpu_proxy is not None:
+            out["cpuProxy"] = self.cpu_proxy.to_dict()
         return out
 
 
@@ -255,6 +287,15 @@ class JobSpec:
 
     def model_shape(self) -> ModelShape:
         return self.model.shape()
+
+    def cpu_proxy_shape(self) -> ModelShape | None:
+        proxy = self.training.cpu_proxy
+        return None if proxy is None else proxy.shape(self.model_shape())
+
+    @property
+    def cpu_proxy_sequence_length(self) -> int:
+        proxy = self.training.cpu_proxy
+        return self.sequence_length if proxy is None or proxy.sequence_length is None else proxy.sequence_length
 
     def to_dict(self) -> dict[str, Any]:
         return _drop_none({
