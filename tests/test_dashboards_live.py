@@ -4,7 +4,7 @@ The session's dev cluster gets the monitoring API (the ServiceMonitor/PodMonitor
 CRDs), the chart's monitors for its platform release (node agents, training pods), an operator
 release watching namespace `obs` with its own ServiceMonitor, and a real Prometheus
 (`kareus_operator.devcluster.prometheus.DevPrometheus`: Debian's binary; targets from the real
-API server, relabelled as the monitors say). `examples/quickstart.yaml` (48 steps instead of 8, so that its pod holds the GPUs for several
+API server, relabelled as the monitors say). `examples/quickstart.yaml` (16 steps instead of 8, so that its pod holds the GPUs for several
 scrapes) then runs to Succeeded.
 
 Checks:
@@ -43,9 +43,10 @@ GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
 NS, JOB, RELEASE, RELEASE_NS = "obs", "quickstart", "obs", "obs-system"
 SETTINGS = {"RESYNC_S": "2", "BACKOFF_BASE_S": "1", "PROGRESS_INTERVAL_S": "0.5", "LEASE_DURATION_S": "4"}
 SCRAPE_S = 2.0  # the dev cluster's monitors scrape every 2 s (prometheus.SCRAPE_INTERVAL)
-# The quickstart trains for 8 steps (about one scrape interval on CPU); 48 keep its pod on the GPUs
-# for several scrapes, so rates and increases over its lifetime have samples to work with.
-STEPS = 48
+# A quickstart step holds its emulated GPUs for its modelled 2.9 s (TwinEnergy.hold); 16 steps keep
+# its pod on them for over 20 scrapes, so rates and increases over its lifetime have samples to work with.
+STEPS = 16
+QUICKSTART_GPUS = 4  # one training pod, one rank per GPU (tensor parallel 4)
 # Panels whose correct answer for a healthy job is "nothing": no request was refused.
 EMPTY_WHEN_HEALTHY = {"Refused clock requests"}
 # What a value in a panel's unit may be (the simulated A100 idles at 85 W and clocks up to 1410 MHz).
@@ -133,8 +134,8 @@ def test_prometheus_scrapes_what_the_monitors_select(observed):
     # The training pod's ranks were targets while it ran: their series carry the pod and rank.
     ranks = prometheus.api("series", **{"match[]": f'kareus_iteration_seconds{{namespace="{NS}",kareusjob="{JOB}"}}'})
     pods = {p.metadata.name for p in training_pods(core)}
-    assert {s["pod"] for s in ranks} <= pods and {s["rank"] for s in ranks} == {"0", "1"}  # tensor parallel 2
-    assert {s["endpoint"] for s in ranks} == {"metrics", "metrics-1"}
+    assert {s["pod"] for s in ranks} <= pods and {s["rank"] for s in ranks} == {str(r) for r in range(QUICKSTART_GPUS)}
+    assert {s["endpoint"] for s in ranks} == {"metrics", *(f"metrics-{r}" for r in range(1, QUICKSTART_GPUS))}
     assert all(t["health"] == "up" for t in active if t["labels"]["namespace"] != NS), \
         [(t["labels"], t["lastError"]) for t in active if t["health"] != "up"]
 
@@ -292,7 +293,7 @@ def test_energy_agrees(observed, window):
           f"{abs(agents_j / status_j - 1):.1e}, tolerance 0.1 %; "
           f"{held_j:.6g} J of it between the scrapes that attributed the GPUs to the pod; their power gauge "
           f"integrated {integrated_j:.6g} J)")
-    assert len(gpus) == 2 and set(counters) == set(powers) == gpus  # the quickstart's two GPUs, attributed to its pod
+    assert len(gpus) == QUICKSTART_GPUS and set(counters) == set(powers) == gpus  # its GPUs, attributed to its pod
     assert all(len(points) >= 3 for points in counters.values()), counters  # enough scrapes to compare
     assert workers_j == pytest.approx(status_j, rel=0.01)
     assert agents_j == pytest.approx(status_j, rel=1e-3)

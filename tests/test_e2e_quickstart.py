@@ -30,6 +30,8 @@ from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from kareus.spec import load_job
+
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 GROUP, VERSION, PLURAL, NS = "kareus.dev", "v1alpha1", "kareusjobs", "e2e"
 SETTINGS = {"RESYNC_S": "2", "BACKOFF_BASE_S": "1", "PROGRESS_INTERVAL_S": "0.5", "LEASE_DURATION_S": "4"}
@@ -121,7 +123,8 @@ def test_quickstart_end_to_end(cluster):
                        what="the quickstart's profile", interval_s=0.2)
     [profile_pod] = core.list_namespaced_pod(NS, label_selector="kareus.dev/job-name=quickstart,"
                                                                 "kareus.dev/role=profile").items
-    assert profile_pod.spec.containers[0].resources.limits == {"nvidia.com/gpu": "2"}
+    gpus = str(load_job(QUICKSTART).spec.training.gpus_per_node)  # the quickstart's 4
+    assert profile_pod.spec.containers[0].resources.limits == {"nvidia.com/gpu": gpus}
     assert profile_pod.metadata.name in lockers, (profile_pod.metadata.name, lockers)
     assert all(v.host_path is None for v in profile_pod.spec.volumes)
 

@@ -19,7 +19,7 @@ from operator_fakes import QUICKSTART, conditions, settings_env
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
 NAMESPACE = "queued"
 QUEUE = "gpus"
-GPUS_PER_JOB = 2  # the quickstart: one pod of 2 GPUs
+GPUS_PER_JOB = 2  # the tests' small job (tests/data/tiny-tp2.yaml): one pod of 2 GPUs
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -13,8 +13,10 @@ container that gets GPUs (and to the node agent, which asks for all of them with
 - `recent`: the last seconds of accounted work, stamped with `time.monotonic()` (one clock for every
   process of the machine on Linux), from which power is read.
 
-Time on this GPU is the *modelled* time. The training runtime runs on CPU, where a step takes far
-longer than the GPU time the simulator models for it (about 0.34 s against 30 ms on the quickstart);
+Time on this GPU is the *modelled* time. The training runtime runs on CPU, where a step may take
+longer than the GPU time the simulator models for it (a tiny model: about 0.34 s against 30 ms) or
+less (the quickstart's CPU proxy of Llama 3.2 3B: about 0.6 s against 2.9 s; the runtime then
+waits out the modelled time, `TwinEnergy.hold`, so the power read here is the modelled GPU's);
 the GPU has no time of its own between the modelled steps. So the counter only advances by the
 work accounted on it — each step's modelled energy, whose static power over the modelled
 iteration (bubbles included) is already in it (`kareus.runtime.energy.SimulatedEnergy`) — and

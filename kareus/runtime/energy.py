@@ -20,14 +20,16 @@ DESIGN.md §2.1: every GPU pays static power for the whole iteration, bubbles in
   local rank's GPU is `NVIDIA_VISIBLE_DEVICES[LOCAL_RANK]`; every step the rank adds its modelled
   per-GPU energy (and modelled GPU time) to that GPU's counter and reads its step energy back as
   the counter's rise since the previous step — the way `MeasuredEnergy` laps NVML's counter —
-  and the node agent exports the same counter (`kareus.gpu.simdevice`). Without such a device the
-  modelled energy is used as it is.
+  and the node agent exports the same counter (`kareus.gpu.simdevice`). A step the CPU finishes
+  sooner than its modelled GPU time waits out the rest (`hold`), so the power read from the counter
+  is the modelled GPU's. Without such a device the modelled energy is used as it is.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -182,6 +184,18 @@ class TwinEnergy:
     @property
     def uuid(self) -> str:
         return self.device.uuid
+
+    @staticmethod
+    def hold(started_s: float, time_s: float) -> float:
+        """Wait until `time_s` (the step's modelled GPU time) has passed since `started_s`
+        (`time.perf_counter()`) and return the step's wall time. A GPU is busy for as long as its
+        work takes: a step the CPU finished sooner (a narrow CPU proxy of a large model) would
+        otherwise put the modelled energy into less wall time, and the power the node agent reads
+        would exceed what the modelled GPU draws."""
+        elapsed = time.perf_counter() - started_s
+        if elapsed < time_s:
+            time.sleep(time_s - elapsed)
+        return time.perf_counter() - started_s
 
     def step_j(self, energy_j: float, time_s: float) -> float:
         """Account one step's modelled work (this GPU's energy, the modelled iteration time) and
