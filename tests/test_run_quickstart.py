@@ -78,7 +78,7 @@ def test_the_run_leads_with_kareus_beating_megatron_perseus_at_iso_time(run_dir)
     headline = summary["headline"]
     iso_time = headline["iso_time_energy_reduction_vs_megatron_perseus"]
     assert iso_time == summary["methods"]["kareus"]["iso_time_energy_reduction"]
-    assert iso_time > 0.10  # a clear margin: Llama 3.2 3B on TP4 overlaps its all-reduces (15.2 % shipped)
+    assert iso_time > 0.10  # a clear margin: Llama 3.2 3B on TP4 overlaps its all-reduces (12.4 % shipped)
     assert headline["max_throughput_time_reduction_vs_megatron"] > 0.05
     # The energy at iso-time is below Megatron+Perseus' own fastest point.
     assert summary["methods"]["kareus"]["energy_j"] < summary["methods"]["megatron_perseus"]["energy_j"]

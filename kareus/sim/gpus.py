@@ -105,8 +105,8 @@ _ENVELOPES = (
 # sm_dynamic_w_at_max, voltage_floor_mhz, voltage_min_ratio, hbm_pj_per_byte, voltage_curve_exponent
 # (module docstring). Hopper and A40 are scaled from the A100 fit (same relative floor), not fitted.
 _PHYSICS = {
-    "A100-SXM4-40GB": (432.0, 1064.0, 0.750, 41.0, 1.07),
-    "A100-SXM4-80GB": (432.0, 1064.0, 0.750, 41.0, 1.07),
+    "A100-SXM4-40GB": (432.0, 1064.0, 0.750, 38.2, 1.06),
+    "A100-SXM4-80GB": (432.0, 1064.0, 0.750, 38.2, 1.06),
     "A40": (200.0, 1305.0, 0.70, 56.0, 1.0),
     "H100-SXM5-80GB": (560.0, 1500.0, 0.70, 28.0, 1.0),
     "H200-SXM-141GB": (560.0, 1500.0, 0.70, 28.0, 1.0),

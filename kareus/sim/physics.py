@@ -43,7 +43,7 @@ class SimParams:
     The shipped defaults are the A100 fit (`kareus/sim/data/a100-sxm4.json`, made by
     `kareus sim calibrate`); `FITTABLE` names the parameters a calibration may fit."""
 
-    gemm_efficiency: float = 0.774
+    gemm_efficiency: float = 0.771
     gemm_half_efficiency_flops_per_sm: float = 1.0e7
     gemm_tile_rows: int = 128
     gemm_tile_cols: int = 128
@@ -52,22 +52,22 @@ class SimParams:
     attention_half_efficiency_keys: float = 256.0
     attention_tile_queries: int = 128
     hbm_efficiency: float = 0.88
-    sm_issue_headroom: float = 0.823
+    sm_issue_headroom: float = 0.822
     kernel_launch_s: float = 2.0e-6
     kernel_tail_cycles: float = 3000.0
     host_launch_s: float = 0.0
     partition_dispatch_s: float = 0.0
-    partition_join_s: float = 92.2e-6
-    comm_bytes_per_s_per_sm: float = 33.5e9
+    partition_join_s: float = 92.9e-6
+    comm_bytes_per_s_per_sm: float = 31.2e9
     link_efficiency: float = 0.80
     comm_step_latency_s: float = 6.0e-6
     nccl_channels: int = 32
     nccl_bytes_per_s_per_channel: float = 20.0e9
-    copy_l2_interference: float = 0.0010
+    copy_l2_interference: float = 0.184
     activity_gemm: float = 1.0
     activity_attention: float = 0.85
-    activity_memory: float = 0.559
-    activity_comm: float = 0.570
+    activity_memory: float = 0.569
+    activity_comm: float = 0.522
     link_pj_per_byte: float = 20.0
     throttle_wobble_mhz: float = 60.0
 
