@@ -41,6 +41,7 @@ from kareus.workload.partitions import Workload
 if TYPE_CHECKING:
     from kareus.gpu import GPUDevice
     from kareus.gpu.simdevice import SharedSimulatedGPU
+    from kareus.sim.paramsfile import SimCalibration
 
 log = logging.getLogger("kareus.runtime")
 
@@ -59,15 +60,15 @@ class SimulatedEnergy:
 
     `clock_ceiling_mhz` caps every clock (a slower simulated GPU: the `KAREUS_SIM_STRAGGLER` knob);
     `replica` keeps the per-replica numbers (`kareus.sim.replica.ReplicaIteration`), so a replica
-    that waits for a slower one can be charged static power for the wait. `sim_params` is a
-    `kareus sim calibrate` file (the shipped presets without one), as profiling used."""
+    that waits for a slower one can be charged static power for the wait. `calibration` is a
+    `kareus sim calibrate` file's parameters (the shipped presets without one), as profiling used."""
 
     def __init__(self, workload: Workload, gpu_product: str, schedule: Schedule, gpus_per_stage: int, *,
-                 clock_ceiling_mhz: float | None = None, sim_params: str | None = None) -> None:
-        from kareus.sim import paramsfile  # the simulator is only needed for CPU accounting
+                 clock_ceiling_mhz: float | None = None, calibration: SimCalibration | None = None) -> None:
+        from kareus.sim.paramsfile import shipped  # the simulator is only needed for CPU accounting
         from kareus.sim.replica import replica_iteration
 
-        calibration = paramsfile.load_or_default(sim_params)
+        calibration = calibration or shipped()
         self.gpu = calibration.gpu(gpu_product)
         self.simulator = calibration.simulator(self.gpu)
         self.workload = workload

@@ -21,6 +21,7 @@ with its reason.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -491,7 +492,16 @@ def _simulated_energy(config: TrainConfig, schedule: Schedule, clock_ceiling_mhz
                               micro_batch_size=mbs, activation_checkpointing=config.activation_checkpointing,
                               stage_layers=config.layers_per_stage)
     return SimulatedEnergy(workload, config.gpu_product, schedule, config.tp * config.cp * config.dp,
-                           clock_ceiling_mhz=clock_ceiling_mhz, sim_params=config.sim_params)
+                           clock_ceiling_mhz=clock_ceiling_mhz, calibration=_calibration(config.sim_params))
+
+
+@functools.lru_cache(maxsize=4)
+def _calibration(path: str | None):
+    """The parameter file read once per process: a straggler's clock ceiling is found by bisection,
+    each step of which models the iteration again."""
+    from kareus.sim import paramsfile
+
+    return paramsfile.load_or_default(path)
 
 
 def _optimizer(config: TrainConfig, model: StageModel) -> torch.optim.Optimizer:

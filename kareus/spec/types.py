@@ -51,6 +51,17 @@ def _items(mapping: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(mapping.items()))
 
 
+def _with_head_dim(values: dict[str, Any]) -> dict[str, Any]:
+    """Manifest dimensions with `headDim` defaulting to hidden / heads."""
+    return {"headDim": values["hidden"] // values["heads"]} | dict(values)
+
+
+def _reshaped(base: ModelShape, name: str, values: dict[str, Any]) -> ModelShape:
+    """`base` with the manifest-named dimensions in `values` replaced."""
+    attrs = dict(SHAPE_FIELDS)
+    return replace(base, name=name, **{attrs[key]: value for key, value in values.items()})
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A preset name, an explicit shape, or a preset with some dimensions overridden.
@@ -72,11 +83,10 @@ class ModelSpec:
             base = get_preset(self.preset)
             name = self.preset if not values else f"{self.preset}-custom"
         else:
-            values.setdefault("headDim", values["hidden"] // values["heads"])
             base = ModelShape("custom", 1, 1, 1, 1, 1, 1, 1)
             name = "custom"
-        attrs = dict(SHAPE_FIELDS)
-        return replace(base, name=name, **{attrs[key]: value for key, value in values.items()})
+            values = _with_head_dim(values)
+        return _reshaped(base, name, values)
 
     def to_dict(self) -> dict[str, Any]:
         return _drop_none({"preset": self.preset}) | dict(self.overrides)
@@ -203,9 +213,7 @@ class CpuProxySpec:
         return hash((_items(self.dims), self.sequence_length))
 
     def shape(self, model: ModelShape) -> ModelShape:
-        attrs = dict(SHAPE_FIELDS)
-        values = {"headDim": self.dims["hidden"] // self.dims["heads"]} | dict(self.dims)
-        return replace(model, name=f"{model.name}-cpu-proxy", **{attrs[key]: value for key, value in values.items()})
+        return _reshaped(model, f"{model.name}-cpu-proxy", _with_head_dim(self.dims))
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.dims) | _drop_none({"sequenceLength": self.sequence_length})
