@@ -1,0 +1,1 @@
+"""Generated gRPC code for the kubelet device-plugin API v1beta1 (regenerate: see deviceplugin.proto)."""
