@@ -264,7 +264,7 @@ def manifests(draw):
     nodes = draw(st.sampled_from([1, 2]))
     matching = world // nodes if world and world % nodes == 0 else world
     gpus_per_node = draw(usually([matching], [1, 8])) or 1
-    training = {"image": "ghcr.io/kareus-dev/kareus-runtime:0.1.0", "command": ["kareus", "train"],
+    training = {"image": "localhost/kareus/runtime:0.1.0", "command": ["kareus", "train"],
                 "steps": draw(usually([8, 1], [0])), "gpusPerNode": gpus_per_node, "nodes": nodes}
     if draw(st.integers(0, 3)) == 0:
         names = draw(usually([["A"], ["A", "B"]], [["A", "A"], ["1x"], [""]]))

@@ -267,7 +267,7 @@ FROZEN = {
     "model": {"preset": "tiny", "layers": 2}, "sequenceLength": 128,
     "parallelism": {"tensor": 2, "microBatchSize": 2, "numMicroBatches": 2}, "profiling": {"backend": "nvml"},
     "gpu": {"product": "H200"}, "backoffLimit": 0, "managedBy": "example.com/x", "activeDeadlineSeconds": 60,
-    "ttlSecondsAfterFinished": 5, "training": {"image": "ghcr.io/kareus-dev/kareus-runtime:0.1.0",
+    "ttlSecondsAfterFinished": 5, "training": {"image": "localhost/kareus/runtime:0.1.0",
                                                 "command": ["kareus", "train"], "args": ["--seed", "1"],
                                                 "steps": 8, "gpusPerNode": 2, "nodes": 1},
 }

@@ -20,6 +20,7 @@ import yaml
 from crd_server import apply_crd, dry_run_create
 
 from kareus.policy import ClockBounds, PolicyError, load_policy
+from kareus.spec import parse_job
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk has no wheel for this platform")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -60,6 +61,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "noRbac": {"rbac": {"create": False}},
     "workers": {"workers": {"namespaces": ["ml"]}},
     "runtimeClass": {"nodeAgent": {"runtimeClassName": "nvidia"}},
+    "agentWritableRoot": {"nodeAgent": {"readOnlyRootFilesystem": False}},
+    "gpuNodeLabels": {"nodeAgent": {"extraGpuNodeLabels": ["accelerator=nvidia", "example.com/gpu-node"],
+                                    "nodeSelector": {"pool": "train"}}},
+    "pullSecrets": {"workers": {"imagePullSecrets": ["regcred", {"name": "mirror"}]}},
+    "rendezvous": {"workers": {"rendezvousTimeoutSeconds": 1800}},
+    "noWorkerServiceAccount": {"workers": {"createServiceAccount": False}},
     "ownServiceAccounts": {"operator": {"serviceAccount": {"create": False, "name": "ops"}},
                            "nodeAgent": {"serviceAccount": {"create": False, "name": "agent"}}},
 }
@@ -169,6 +176,16 @@ def test_default_render_has_the_expected_objects(objects):
         ({"policy": {"namespaceEnergyBudgets": {"Team_A": 10}}}, "Team_A"),
         ({"policy": {"maxSlowdownPercent": "5%"}}, "maxSlowdownPercent"),
         ({"operator": {"args": {"watchNamespaces": ["Not A Namespace"]}}}, "watchNamespaces"),
+        ({"operator": {"workerImage": {"pullPolicy": "Sometimes"}}}, "pullPolicy"),
+        ({"nodeAgent": {"readOnlyRootFilesystem": "yes"}}, "readOnlyRootFilesystem"),
+        ({"nodeAgent": {"runtimeClassName": "NVIDIA runtime"}}, "runtimeClassName"),
+        ({"nodeAgent": {"gpuNodeLabels": ["nvidia.com/gpu.present: true"]}}, "gpuNodeLabels"),
+        ({"nodeAgent": {"extraGpuNodeLabels": ["=true"]}}, "extraGpuNodeLabels"),
+        ({"nodeAgent": {"gpuNodeLabel": []}}, "gpuNodeLabel"),
+        ({"workers": {"imagePullSecrets": ["Reg_Cred"]}}, "imagePullSecrets"),
+        ({"workers": {"imagePullSecrets": [{"secret": "regcred"}]}}, "imagePullSecrets"),
+        ({"workers": {"rendezvousTimeoutSeconds": 0}}, "rendezvousTimeoutSeconds"),
+        ({"workers": {"rendezvousTimeoutSeconds": "10m"}}, "rendezvousTimeoutSeconds"),
     ],
 )
 def test_values_typo_fails_via_the_schema(chart, values, field):
@@ -317,7 +334,10 @@ def test_security_modes(objects):
 
 def test_node_agent_placement_mounts_and_shutdown(objects):
     spec = one(objects["default"], "DaemonSet")["spec"]["template"]["spec"]
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "nodeSelector" not in spec  # GPU nodes are chosen by node affinity (below)
+    assert spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": key, "operator": "In", "values": ["true"]}]}
+                              for key in GPU_NODE_LABELS]}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     assert spec["terminationGracePeriodSeconds"] >= 30
     host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
@@ -327,6 +347,109 @@ def test_node_agent_placement_mounts_and_shutdown(objects):
     assert mounts["pod-resources"]["readOnly"] is True
     env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+
+
+GPU_NODE_LABELS = ("nvidia.com/gpu.present", "nvidia.com/gpu.deploy.device-plugin",
+                   "feature.node.kubernetes.io/pci-10de.present")
+
+
+def node_matches(pod: dict, labels: dict[str, str]) -> bool:
+    """Would the scheduler place `pod` on a node with `labels`? nodeSelector and required node
+    affinity (terms ORed, expressions ANDed; the operators the chart renders)."""
+    if not selects(pod.get("nodeSelector", {}), labels):
+        return False
+    required = pod.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    if not required:
+        return True
+
+    def holds(expression: dict) -> bool:
+        key, operator = expression["key"], expression["operator"]
+        if operator == "Exists":
+            return key in labels
+        assert operator == "In", operator
+        return labels.get(key) in expression["values"]
+
+    return any(all(holds(e) for e in term["matchExpressions"]) for term in required["nodeSelectorTerms"])
+
+
+# Labels of GPU nodes under each way of running NVIDIA's stack, and of a CPU node.
+GFD_NODE = {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}
+GPU_OPERATOR_NODE = {"nvidia.com/gpu.deploy.device-plugin": "true", "nvidia.com/gpu.deploy.driver": "true"}
+NFD_NODE = {"feature.node.kubernetes.io/pci-10de.present": "true"}
+CPU_NODE = {"kubernetes.io/os": "linux", "feature.node.kubernetes.io/pci-8086.present": "true"}
+
+
+def test_the_node_agent_runs_on_gpu_nodes_however_they_are_labelled(objects):
+    pod = one(objects["default"], "DaemonSet")["spec"]["template"]["spec"]
+    for labels in (GFD_NODE, GPU_OPERATOR_NODE, NFD_NODE, {"nvidia.com/gpu.present": "true"}):
+        assert node_matches(pod, labels), labels
+    assert not node_matches(pod, CPU_NODE)
+    assert not node_matches(pod, {"nvidia.com/gpu.present": "false"})
+    # The plain device plugin labels nothing: a label of the user's own (any value, or key=value) does,
+    # ORed with the defaults; a nodeSelector still narrows (ANDed).
+    own = one(objects["gpuNodeLabels"], "DaemonSet")["spec"]["template"]["spec"]
+    terms = own["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[-2:] == [{"matchExpressions": [{"key": "accelerator", "operator": "In", "values": ["nvidia"]}]},
+                          {"matchExpressions": [{"key": "example.com/gpu-node", "operator": "Exists"}]}]
+    assert own["nodeSelector"] == {"pool": "train"}
+    assert node_matches(own, {"accelerator": "nvidia", "pool": "train"})
+    assert node_matches(own, {"example.com/gpu-node": "", "pool": "train"})
+    assert node_matches(own, {**GFD_NODE, "pool": "train"})
+    assert not node_matches(own, GFD_NODE)  # not in the pool
+    assert not node_matches(own, {"accelerator": "amd", "pool": "train"})
+
+
+@pytest.mark.parametrize(
+    ("affinity", "expected"),
+    [
+        # A required node affinity of the user's own replaces the GPU node terms.
+        ({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "mine", "operator": "Exists"}]}]}}}, None),
+        # Anything else is kept beside them.
+        ({"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 1, "preference": {"matchExpressions": [{"key": "fast", "operator": "Exists"}]}}]},
+          "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+              {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": "kubernetes.io/hostname"}]}}, "gpu"),
+    ],
+)
+def test_the_node_agent_affinity_merges_with_the_users(chart, affinity, expected):
+    objs = objects_of(chart.render({"nodeAgent": {"affinity": affinity}}, name=RELEASE, namespace=NAMESPACE))
+    rendered = one(objs, "DaemonSet")["spec"]["template"]["spec"]["affinity"]
+    if expected is None:
+        assert rendered == affinity
+    else:
+        required = rendered["nodeAffinity"].pop("requiredDuringSchedulingIgnoredDuringExecution")
+        assert [t["matchExpressions"][0]["key"] for t in required["nodeSelectorTerms"]] == list(GPU_NODE_LABELS)
+        assert rendered == affinity
+    kubernetes_validate.validate(one(objs, "DaemonSet"), KUBE_VERSIONS[0], strict=True)
+
+
+def test_without_gpu_node_labels_the_agent_runs_wherever_its_node_selector_says(chart):
+    objs = objects_of(chart.render({"nodeAgent": {"gpuNodeLabels": [], "nodeSelector": {"gpu": "yes"}}},
+                                   name=RELEASE, namespace=NAMESPACE))
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert "affinity" not in pod and pod["nodeSelector"] == {"gpu": "yes"}
+
+
+def test_runtime_class_and_read_only_root_of_the_node_agent(objects):
+    default = one(objects["default"], "DaemonSet")["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in default  # the node's default runtime
+    assert one(objects["runtimeClass"], "DaemonSet")["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    # The agent writes only to its mounts (journal, socket, /tmp), so its root is read-only in both
+    # security modes unless asked otherwise.
+    assert default["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    writable = one(objects["agentWritableRoot"], "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert writable["securityContext"] == {"privileged": True, "runAsUser": 0, "readOnlyRootFilesystem": False}
+    writable = one(objects_of_values({"nodeAgent": {"readOnlyRootFilesystem": False, "securityMode": "capabilities"}}),
+                   "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert writable["readOnlyRootFilesystem"] is False and writable["capabilities"]["add"] == ["SYS_ADMIN"]
+    mounts = {m["mountPath"] for m in default["containers"][0]["volumeMounts"] if not m.get("readOnly")}
+    assert mounts == {"/var/lib/kareus", "/var/run/kareus", "/tmp"}
+
+
+def objects_of_values(values: dict) -> dict[Key, dict]:
+    with helm.Chart.load(str(CHART)) as loaded:
+        return objects_of(loaded.render(values, name=RELEASE, namespace=NAMESPACE))
 
 
 # ---------------------------------------------------------------- RBAC
@@ -366,6 +489,7 @@ def test_watched_namespaces_get_roles_instead_of_cluster_wide_rights(objects):
         assert ("Role", namespace, "kareus-operator") in added
         assert ("RoleBinding", namespace, "kareus-operator") in added
         assert ("ServiceAccount", namespace, "kareus-worker") in added
+    assert removed >= DEFAULT_WORKERS  # workers only where the operator acts
     policy_role = objects["namespaced"][("Role", NAMESPACE, "kareus-operator-policy")]
     assert policy_role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"],
                                      "resourceNames": ["kareus-policy"], "verbs": ["get", "watch"]}]
@@ -379,6 +503,8 @@ def keys(*items: tuple[str, str, str]) -> set[Key]:
 
 
 AGENT_NS = "kareus-node"
+# A cluster-wide install creates the workers' identity in `default`, where the quickstart's job lands.
+DEFAULT_WORKERS = {(kind, "default", "kareus-worker") for kind in ("ServiceAccount", "Role", "RoleBinding")}
 DASHBOARDS = {("ConfigMap", NAMESPACE, f"kareus-dashboard-{n}") for n in ("cluster-energy", "job", "operator")}
 WORKERS = {(kind, ns, "kareus-worker") for ns in ("team-a", "team-b")
            for kind in ("ServiceAccount", "Role", "RoleBinding")}
@@ -400,13 +526,21 @@ WORKERS = {(kind, ns, "kareus-worker") for ns in ("team-a", "team-b")
         ("policyClockBounds", set(), set(), keys(("ConfigMap", NAMESPACE, "kareus-policy"),
                                                  ("ConfigMap", AGENT_NS, "kareus-node-agent"),
                                                  ("DaemonSet", AGENT_NS, "kareus-node-agent"))),
-        ("policy", WORKERS, set(), keys(("ConfigMap", NAMESPACE, "kareus-policy"),
+        ("policy", WORKERS, DEFAULT_WORKERS, keys(("ConfigMap", NAMESPACE, "kareus-policy"),
                                         ("ConfigMap", AGENT_NS, "kareus-node-agent"),
                                         ("DaemonSet", AGENT_NS, "kareus-node-agent"))),
         ("dryRun", set(), set(), keys(("ConfigMap", AGENT_NS, "kareus-node-agent"),
                                       ("DaemonSet", AGENT_NS, "kareus-node-agent"))),
-        ("workers", {(k, "ml", "kareus-worker") for k in ("ServiceAccount", "Role", "RoleBinding")}, set(), set()),
+        ("workers", {(k, "ml", "kareus-worker") for k in ("ServiceAccount", "Role", "RoleBinding")}, DEFAULT_WORKERS,
+         set()),
         ("runtimeClass", set(), set(), keys(("DaemonSet", AGENT_NS, "kareus-node-agent"))),
+        ("agentWritableRoot", set(), set(), keys(("DaemonSet", AGENT_NS, "kareus-node-agent"))),
+        ("gpuNodeLabels", set(), set(), keys(("DaemonSet", AGENT_NS, "kareus-node-agent"))),
+        # the operator sets them on the pods it creates; the chart's worker service account carries them too
+        ("pullSecrets", set(), set(), keys(("Deployment", NAMESPACE, "kareus-operator"),
+                                           ("ServiceAccount", "default", "kareus-worker"))),
+        ("rendezvous", set(), set(), keys(("Deployment", NAMESPACE, "kareus-operator"))),
+        ("noWorkerServiceAccount", set(), keys(("ServiceAccount", "default", "kareus-worker")), set()),
     ],
 )
 def test_toggle_changes_exactly_the_expected_objects(objects, name, added, removed, changed):
@@ -430,8 +564,12 @@ def test_own_service_accounts_are_bound_instead_of_created(objects):
     objs = objects["ownServiceAccounts"]
     assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
     assert one(objs, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"] == "agent"
-    subjects = {s["name"] for (k, _, _), o in objs.items() if k.endswith("RoleBinding") for s in o["subjects"]}
+    bindings = [o for (k, _, _), o in objs.items() if k.endswith("RoleBinding")]
+    subjects = {s["name"] for o in bindings if o["metadata"]["labels"]["app.kubernetes.io/component"] != "worker"
+                for s in o["subjects"]}
     assert subjects == {"ops", "agent"}
+    assert {s["name"] for o in bindings if o["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+            for s in o["subjects"]} == {"kareus-worker"}
 
 
 def test_rbac_create_false_removes_only_rbac(objects):
@@ -490,7 +628,9 @@ def test_operator_settings_and_flags_are_what_the_operator_reads(objects, monkey
         settings = settings_module.Settings.from_env(env)
         assert settings.policy_configmap == "kareus-policy" and settings.policy_namespace == NAMESPACE
         assert settings.node_daemon_port == 9477
-        assert settings.image == "ghcr.io/kareus-dev/kareus-runtime:0.1.0"
+        assert settings.image == "localhost/kareus/runtime:0.1.0" == settings_module.Settings().image
+        assert settings.image_pull_policy == "IfNotPresent" and settings.image_pull_secrets == ()
+        assert settings.rendezvous_timeout_s == 600.0 == settings_module.Settings().rendezvous_timeout_s
         assert settings.service_account == "kareus-worker"
         args = main._build_parser().parse_args(container["args"])
         assert container["command"] == ["kareus-operator"] and args.command == "run"
@@ -501,6 +641,95 @@ def test_operator_settings_and_flags_are_what_the_operator_reads(objects, monkey
         "containers"][0]["env"] if "value" in e}
     assert set(settings) - {"POD_NAME", "POD_NAMESPACE", "POD_IP"} <= {
         f"KAREUS_OPERATOR_{f.upper()}" for f in settings_module.Settings.__dataclass_fields__}
+
+
+def operator_settings(objs: dict[Key, dict]):
+    """The operator's Settings exactly as its container's environment gives them."""
+    settings_module = pytest.importorskip("kareus_operator.settings")
+    container = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return settings_module.Settings.from_env({e["name"]: e["value"] for e in container["env"]
+                                              if e["name"].startswith("KAREUS_OPERATOR_")})
+
+
+def quickstart_job(namespace: str | None = None) -> dict:
+    job = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    job["metadata"].update(namespace=namespace or job["metadata"].get("namespace", "default"), uid="u-1")
+    return job
+
+
+def test_images_are_the_ones_make_images_tags(objects):
+    """`make images` tags localhost/kareus/<image>:<version>; the chart, the operator's default and
+    every example use exactly those names, so a default install runs what the build made."""
+    from kareus import __version__
+
+    settings_module = pytest.importorskip("kareus_operator.settings")
+    objs = objects["default"]
+    operator = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    agent = one(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert operator["image"] == f"localhost/kareus/operator:{__version__}"
+    assert agent["image"] == f"localhost/kareus/node-agent:{__version__}"
+    assert operator["imagePullPolicy"] == agent["imagePullPolicy"] == "IfNotPresent"
+    runtime = f"localhost/kareus/runtime:{__version__}"
+    assert operator_settings(objs).image == runtime == settings_module.Settings().image
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == __version__
+    examples = [d for path in sorted((ROOT / "examples").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text())
+                if d and d.get("kind") == "KareusJob"]
+    assert examples and {job["spec"]["training"]["image"] for job in examples} == {runtime}
+
+
+def test_a_default_install_has_a_worker_identity_where_the_quickstart_runs(objects):
+    manifests = pytest.importorskip("kareus_operator.manifests")
+    objs = objects["default"]
+    settings = operator_settings(objs)
+    job = quickstart_job()
+    namespace = job["metadata"]["namespace"]
+    assert namespace == "default"  # the quickstart names none
+    for kind in ("ServiceAccount", "Role", "RoleBinding"):
+        assert (kind, namespace, settings.service_account) in objs
+    spec = parse_job(job).spec
+    for child in (manifests.profile_job(job, spec, settings, "k"), manifests.optimize_job(job, spec, settings, "k"),
+                  manifests.train_job(job, spec, settings)):
+        assert child["metadata"]["namespace"] == namespace
+        assert child["spec"]["template"]["spec"]["serviceAccountName"] == settings.service_account
+    binding = objs[("RoleBinding", namespace, settings.service_account)]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": settings.service_account, "namespace": namespace}]
+    # Watching namespaces (or allowing only some) moves the identity there, and only there.
+    namespaced = {k for k in objects["namespaced"] if k[0] == "ServiceAccount" and k[2] == "kareus-worker"}
+    assert namespaced == {("ServiceAccount", ns, "kareus-worker") for ns in ("team-a", "team-b")}
+    # Without the chart's service account the Role and its binding stay, for one you create yourself.
+    mine = objects["noWorkerServiceAccount"]
+    assert ("ServiceAccount", namespace, "kareus-worker") not in mine and ("RoleBinding", namespace, "kareus-worker") in mine
+
+
+def test_worker_image_pull_secrets_reach_every_pod_and_the_service_account(objects):
+    manifests = pytest.importorskip("kareus_operator.manifests")
+    objs = objects["pullSecrets"]
+    settings = operator_settings(objs)
+    assert settings.image_pull_secrets == ("regcred", "mirror")  # names, or {name: ...} entries
+    assert objs[("ServiceAccount", "default", "kareus-worker")]["imagePullSecrets"] == [
+        {"name": "regcred"}, {"name": "mirror"}]
+    job = quickstart_job("team-a")
+    spec = parse_job(job).spec
+    for child in (manifests.profile_job(job, spec, settings, "k"), manifests.optimize_job(job, spec, settings, "k"),
+                  manifests.train_job(job, spec, settings)):
+        assert child["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    default = operator_settings(objects["default"])
+    assert "imagePullSecrets" not in manifests.train_job(job, spec, default)["spec"]["template"]["spec"]
+    assert "imagePullSecrets" not in objects["default"][("ServiceAccount", "default", "kareus-worker")]
+
+
+def test_the_rendezvous_timeout_reaches_the_training_pods(objects):
+    manifests = pytest.importorskip("kareus_operator.manifests")
+    job = quickstart_job()
+    spec = parse_job(job).spec
+    for name, seconds in (("default", "600"), ("rendezvous", "1800")):
+        settings = operator_settings(objects[name])
+        assert settings.rendezvous_timeout_s == float(seconds)
+        pod = manifests.train_job(job, spec, settings)["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["KAREUS_RENDEZVOUS_TIMEOUT_S"] == seconds  # `kareus train`'s own rendezvous
+        assert env["PET_RDZV_CONF"] == f"timeout={seconds},join_timeout={seconds}"  # torchrun's
 
 
 def test_node_agent_flags_and_config_are_what_the_daemon_reads(objects, tmp_path):

@@ -257,3 +257,62 @@ def test_job_ports_stay_below_the_ephemeral_range():
     ports = [mf.master_port(u) for u in uids] + [mf.metrics_port(u) + rank for u in uids for rank in range(8)]
     assert min(ports) >= 20000 and max(ports) < 32768
     assert len({mf.metrics_port(u) for u in uids}) > 700  # still spread over many blocks
+
+
+def test_worker_image_pull_policy_and_secrets():
+    """The chart's operator.workerImage.pullPolicy and workers.imagePullSecrets, as settings."""
+    job = job_body(queue=None)
+    spec = spec_of(job)
+    default = Settings()
+    assert default.image == "localhost/kareus/runtime:0.1.0"  # what `make images` tags
+    profile, optimize, train = (mf.profile_job(job, spec, default, "k"), mf.optimize_job(job, spec, default, "k"),
+                                mf.train_job(job, spec, default))
+    # The worker image's policy on the pods that run it; a training pod runs the job's own image.
+    assert container(profile)["imagePullPolicy"] == container(optimize)["imagePullPolicy"] == "IfNotPresent"
+    assert "imagePullPolicy" not in container(train)
+    assert not any("imagePullSecrets" in c["spec"]["template"]["spec"] for c in (profile, optimize, train))
+    assert "imagePullPolicy" not in container(mf.profile_job(job, spec, Settings(image_pull_policy=""), "k"))
+    settings = Settings.from_env({"KAREUS_OPERATOR_IMAGE_PULL_SECRETS": '["regcred", "mirror"]',
+                                  "KAREUS_OPERATOR_IMAGE_PULL_POLICY": "Always"})
+    assert settings.image_pull_secrets == ("regcred", "mirror") and settings.image_pull_policy == "Always"
+    for child in (mf.profile_job(job, spec, settings, "k"), mf.optimize_job(job, spec, settings, "k"),
+                  mf.train_job(job, spec, settings)):
+        assert child["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    assert container(mf.optimize_job(job, spec, settings, "k"))["imagePullPolicy"] == "Always"
+    # A job's own podTemplateOverrides add to them.
+    job["spec"]["podTemplateOverrides"] = [{"roles": ["train"], "spec": {"imagePullSecrets": [{"name": "team"}]}}]
+    pod = mf.train_job(job, spec_of(job), settings)["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}, {"name": "team"}]
+    assert Settings.from_env({"KAREUS_OPERATOR_IMAGE_PULL_SECRETS": "a,b"}).image_pull_secrets == ("a", "b")
+    with pytest.raises(KareusError, match="KAREUS_OPERATOR_IMAGE_PULL_POLICY: must be one of"):
+        Settings.from_env({"KAREUS_OPERATOR_IMAGE_PULL_POLICY": "Sometimes"})
+    with pytest.raises(KareusError, match="KAREUS_OPERATOR_IMAGE_PULL_SECRETS: must be a JSON list"):
+        Settings.from_env({"KAREUS_OPERATOR_IMAGE_PULL_SECRETS": '[{"name": "regcred"}]'})
+
+
+def rdzv_env(child: dict) -> dict[str, list[str]]:
+    values: dict[str, list[str]] = {}
+    for e in container(child)["env"]:
+        if e["name"] in ("KAREUS_RENDEZVOUS_TIMEOUT_S", "PET_RDZV_CONF"):
+            values.setdefault(e["name"], []).append(e["value"])
+    return values
+
+
+def test_the_rendezvous_timeout_reaches_kareus_train_and_torchrun():
+    job = job_body(nodes=2)
+    spec = spec_of(job)
+    assert Settings().rendezvous_timeout_s == 600.0
+    assert rdzv_env(mf.train_job(job, spec, Settings())) == {
+        "KAREUS_RENDEZVOUS_TIMEOUT_S": ["600"], "PET_RDZV_CONF": ["timeout=600,join_timeout=600"]}
+    settings = Settings.from_env({"KAREUS_OPERATOR_RENDEZVOUS_TIMEOUT_S": "1799.5"})
+    assert rdzv_env(mf.train_job(job, spec, settings)) == {  # whole seconds, never shorter than asked
+        "KAREUS_RENDEZVOUS_TIMEOUT_S": ["1800"], "PET_RDZV_CONF": ["timeout=1800,join_timeout=1800"]}
+    # Only the training pods rendezvous.
+    assert rdzv_env(mf.profile_job(job, spec, settings, "k")) == rdzv_env(mf.optimize_job(job, spec, settings, "k")) == {}
+    # A job that sets its own (spec.training.env) keeps it, once.
+    job["spec"]["training"]["env"] = [{"name": "PET_RDZV_CONF", "value": "join_timeout=60"}]
+    assert rdzv_env(mf.train_job(job, spec_of(job), settings)) == {
+        "KAREUS_RENDEZVOUS_TIMEOUT_S": ["1800"], "PET_RDZV_CONF": ["join_timeout=60"]}
+    for raw in ("0", "-5", "ten minutes", "nan", "inf"):
+        with pytest.raises(KareusError, match="KAREUS_OPERATOR_RENDEZVOUS_TIMEOUT_S: must be a positive number"):
+            Settings.from_env({"KAREUS_OPERATOR_RENDEZVOUS_TIMEOUT_S": raw})

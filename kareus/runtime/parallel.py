@@ -10,10 +10,12 @@ With one process and no environment nothing is initialised and every collective 
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -159,15 +161,22 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+# How long the ranks of a multi-node job wait for each other at the rendezvous (torchrun's default
+# join timeout); the operator sets KAREUS_RENDEZVOUS_TIMEOUT_S from its rendezvous_timeout_s.
+RENDEZVOUS_TIMEOUT_S = 600.0
+
+
 @dataclass(frozen=True)
 class NodeGroup:
     """This node's share of a multi-node job started without torchrun (the training pods' env:
-    NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT): processes `node_rank·nproc …` of `nnodes·nproc`."""
+    NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, KAREUS_RENDEZVOUS_TIMEOUT_S): processes
+    `node_rank·nproc …` of `nnodes·nproc`, which wait up to `rendezvous_timeout_s` for each other."""
 
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S
 
     @classmethod
     def from_env(cls) -> NodeGroup:
@@ -181,7 +190,14 @@ class NodeGroup:
             raise KareusError(f"NODE_RANK must be in 0..NNODES-1, got NODE_RANK={node_rank} NNODES={nnodes}")
         if nnodes > 1 and (not env.get("MASTER_ADDR") or not port):
             raise KareusError("a multi-node run (NNODES > 1) needs MASTER_ADDR and MASTER_PORT")
-        return cls(nnodes, node_rank, env.get("MASTER_ADDR", "127.0.0.1"), port)
+        raw = env.get("KAREUS_RENDEZVOUS_TIMEOUT_S", "")
+        try:
+            timeout_s = float(raw) if raw else RENDEZVOUS_TIMEOUT_S
+        except ValueError:
+            timeout_s = math.nan
+        if not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise KareusError(f"KAREUS_RENDEZVOUS_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+        return cls(nnodes, node_rank, env.get("MASTER_ADDR", "127.0.0.1"), port, timeout_s)
 
 
 def spawn_local(nproc: int, fn: Callable, *args, nodes: NodeGroup | None = None) -> None:
@@ -217,7 +233,8 @@ def _spawned(local_rank: int, nproc: int, nodes: NodeGroup, tmp: str, fn: Callab
     if nodes.nnodes == 1:
         store = dist.FileStore(str(Path(tmp) / "store"), world)
     else:
-        store = dist.TCPStore(nodes.master_addr, nodes.master_port, world, is_master=rank == 0)
+        store = dist.TCPStore(nodes.master_addr, nodes.master_port, world, is_master=rank == 0,
+                              timeout=timedelta(seconds=nodes.rendezvous_timeout_s))
     try:
         fn(rank, store, *args)
     except KareusError as error:

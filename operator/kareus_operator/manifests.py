@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import re
 import zlib
 from collections.abc import Mapping, Sequence
@@ -140,6 +141,14 @@ def gpu_node_label(product: str) -> str:
     return product if product.startswith("NVIDIA") else f"NVIDIA-{product}"
 
 
+def rendezvous_env(timeout_s: float) -> dict[str, str]:
+    """How long a training pod waits for all of its job's nodes: `kareus train`'s own rendezvous
+    (KAREUS_RENDEZVOUS_TIMEOUT_S) and torchrun's (`--rdzv-conf` through PET_RDZV_CONF: `timeout` for
+    the static rendezvous, `join_timeout` for c10d), in whole seconds."""
+    seconds = str(max(1, math.ceil(timeout_s)))
+    return {"KAREUS_RENDEZVOUS_TIMEOUT_S": seconds, "PET_RDZV_CONF": f"timeout={seconds},join_timeout={seconds}"}
+
+
 def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
     meta = job["metadata"]
     return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
@@ -198,9 +207,10 @@ _RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"dr
 
 def _pod_template(job: Mapping[str, Any], spec: JobSpec, role: str, image: str, command: list[str],
                   volumes: Sequence[Volume], settings: Settings, *, gpus: int = 0,
-                  env: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+                  env: Sequence[Mapping[str, Any]] = (), pull_policy: str = "") -> dict[str, Any]:
     """The pod of one phase; with `gpus`, a GPU pod: it requests them, tolerates the GPU taint,
-    gets a memory-backed /dev/shm for NCCL and a token for the node daemon."""
+    gets a memory-backed /dev/shm for NCCL and a token for the node daemon. Every pod carries the
+    settings' image pull secrets; `pull_policy` (empty: Kubernetes' default) is its image's."""
     all_volumes = [("job", {"configMap": {"name": spec_configmap_name(job["metadata"]["name"])}}, MOUNT_JOB),
                    ("out", {"emptyDir": {}}, MOUNT_OUT), *volumes]
     pod_env: list[dict[str, Any]] = [
@@ -210,8 +220,12 @@ def _pod_template(job: Mapping[str, Any], spec: JobSpec, role: str, image: str, 
     container: dict[str, Any] = {"name": CONTAINER, "image": image, "command": command,
                                  "securityContext": copy.deepcopy(_RESTRICTED_CONTAINER),
                                  "terminationMessagePolicy": "FallbackToLogsOnError"}
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
     pod_spec: dict[str, Any] = {"restartPolicy": "Never", "serviceAccountName": settings.service_account,
                                 "securityContext": copy.deepcopy(_RESTRICTED_POD), "containers": [container]}
+    if settings.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in settings.image_pull_secrets]
     if gpus:
         all_volumes += [("dshm", {"emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}}, "/dev/shm"),
                         ("node-token", {"projected": {"sources": [{"serviceAccountToken": {
@@ -296,7 +310,7 @@ def profile_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, profi
     publish = [*settings.publish_command, "--configmap", profile_configmap_name(profile_key),
                "--label", f"{LABEL_PROFILE_KEY}={label_value(profile_key)}", "--file", f"{PROFILE_FILE}={out}", "--"]
     template = _pod_template(job, spec, "profile", settings.image, publish + phase, [], settings,
-                             gpus=spec.training.gpus_per_node)
+                             gpus=spec.training.gpus_per_node, pull_policy=settings.image_pull_policy)
     return _batch_job(job, profile_job_name(job["metadata"]["name"]), "profile", template,
                       backoff_limit=spec.backoff_limit, settings=settings, suspend=suspend)
 
@@ -310,7 +324,8 @@ def optimize_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, prof
     publish = [*settings.publish_command, "--configmap", plan_configmap_name(name), "--owner", _owner_arg(job),
                "--label", f"{LABEL_JOB}={name}", "--gzip-file", f"{PLAN_FILE_GZ}={out}", "--"]
     profile_volume = ("profile", {"configMap": {"name": profile_configmap_name(profile_key)}}, MOUNT_PROFILE)
-    template = _pod_template(job, spec, "optimize", settings.image, publish + phase, [profile_volume], settings)
+    template = _pod_template(job, spec, "optimize", settings.image, publish + phase, [profile_volume], settings,
+                             pull_policy=settings.image_pull_policy)
     return _batch_job(job, optimize_job_name(name), "optimize", template, backoff_limit=spec.backoff_limit,
                       settings=settings, suspend=suspend)
 
@@ -343,6 +358,7 @@ def train_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, *, susp
     master = f"{train_hostname(name, 0)}.{train_service_name(name)}.{namespace}.svc"
     port = str(master_port(meta["uid"]))
     index = {"valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}}
+    own_env = {var.name for var in training.env}
     env: list[dict[str, Any]] = [
         {"name": "NODE_RANK", **index}, {"name": "PET_NODE_RANK", **index},
         *({"name": k, "value": v} for k, v in {
@@ -350,6 +366,8 @@ def train_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, *, susp
             "NNODES": str(training.nodes), "PET_NNODES": str(training.nodes),
             "NPROC_PER_NODE": str(training.gpus_per_node), "PET_NPROC_PER_NODE": str(training.gpus_per_node),
             "KAREUS_METRICS_PORT": str(metrics_port(meta["uid"]))}.items()),
+        # How long the nodes wait for each other; a job's own value in training.env wins.
+        *({"name": k, "value": v} for k, v in rendezvous_env(settings.rendezvous_timeout_s).items() if k not in own_env),
         *({"name": var.name, "value": var.value} for var in training.env)]
     plan_volume = ("plan", {"configMap": {"name": plan_configmap_name(name)}}, MOUNT_PLAN)
     template = _pod_template(job, spec, "train", training.image, command, [plan_volume], settings,

@@ -9,10 +9,12 @@ real `kareus profile|optimize|train` entry points.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
 
+from kareus import __version__
 from kareus.errors import KareusError
 
 PREFIX = "kareus.dev"
@@ -35,13 +37,21 @@ PLAN_FILE_GZ = "plan.json.gz"
 # of this audience (a token for the API server is not accepted there, and this one is not by it).
 DAEMON_TOKEN_AUDIENCE = "kareus-node"
 DAEMON_TOKEN_DIR = "/var/run/secrets/kareus.dev/node"
+# The runtime image as `make images` tags it (images/runtime.Dockerfile), the chart's operator.workerImage.
+DEFAULT_IMAGE = f"localhost/kareus/runtime:{__version__}"
+PULL_POLICIES = ("", "Always", "IfNotPresent", "Never")
 
 
 @dataclass(frozen=True)
 class Settings:
     """See the module docstring; env names are KAREUS_OPERATOR_<FIELD in upper case>."""
 
-    image: str = "ghcr.io/kareus-dev/kareus:0.1.0"
+    # The profile and optimize pods' image and its pull policy ("" leaves Kubernetes' default); training
+    # pods run the job's spec.training.image.
+    image: str = DEFAULT_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    # Secret names set as imagePullSecrets on every pod the operator creates (the chart's workers.imagePullSecrets).
+    image_pull_secrets: tuple[str, ...] = ()
     profile_command: tuple[str, ...] = ("kareus", "profile", "{job}", "--backend", "{backend}", "--out", "{profile}")
     optimize_command: tuple[str, ...] = ("kareus", "optimize", "{job}", "--profile", "{profile}", "--out", "{plan}")
     # Used when the job gives no training.command; the job's command gets the same arguments appended.
@@ -56,6 +66,9 @@ class Settings:
     # more than a container runtime's default 64 MiB with several ranks per node).
     shm_size: str = "16Gi"
     service_account: str = "kareus-worker"
+    # How long a training pod waits for every node of its job at the rendezvous: `kareus train` reads
+    # KAREUS_RENDEZVOUS_TIMEOUT_S, torchrun PET_RDZV_CONF (timeout=, join_timeout=).
+    rendezvous_timeout_s: float = 600.0
     # A safety net only: children's and the job's own watch events drive reconciles, and backoff,
     # deadline and TTL wake-ups are timed precisely; a running job costs ~4 requests per pass.
     resync_s: float = 120.0
@@ -98,9 +111,11 @@ def _parse(name: str, raw: str, default: object) -> object:
             return number
         if isinstance(default, float):
             number = float(raw)
-            if number <= 0:
+            if not math.isfinite(number) or number <= 0:
                 raise ValueError
             return number
+        if name == "image_pull_policy" and raw not in PULL_POLICIES:
+            raise ValueError
         if name == "extra_pod_env":
             value = json.loads(raw)
             if not isinstance(value, dict):
@@ -111,5 +126,7 @@ def _parse(name: str, raw: str, default: object) -> object:
         allowed = ("a JSON list of strings or a comma-separated list" if isinstance(default, tuple)
                    else "an integer >= 1" if isinstance(default, int)
                    else "a positive number" if isinstance(default, float)
-                   else "a JSON object of strings" if name == "extra_pod_env" else "a string")
+                   else "a JSON object of strings" if name == "extra_pod_env"
+                   else f"one of {', '.join(repr(p) for p in PULL_POLICIES)}" if name == "image_pull_policy"
+                   else "a string")
         raise KareusError(f"{key}: must be {allowed}, got {raw!r}") from None

@@ -140,13 +140,13 @@ ConfigMaps it owns (the policy ConfigMap is read through the same rule), and the
 {{- if eq .Values.nodeAgent.securityMode "privileged" }}
 privileged: true
 runAsUser: 0
-readOnlyRootFilesystem: true
+readOnlyRootFilesystem: {{ .Values.nodeAgent.readOnlyRootFilesystem }}
 {{- else }}
 # Only CAP_SYS_ADMIN (NVML clock locking); root without the other capabilities.
 privileged: false
 allowPrivilegeEscalation: false
 runAsUser: 0
-readOnlyRootFilesystem: true
+readOnlyRootFilesystem: {{ .Values.nodeAgent.readOnlyRootFilesystem }}
 capabilities:
   drop:
     - ALL
@@ -242,6 +242,12 @@ kareus.dev/job-name
 {{- define "kareus.operator.env" -}}
 - name: KAREUS_OPERATOR_IMAGE
   value: {{ include "kareus.image" (dict "image" .Values.operator.workerImage "ctx" $) | quote }}
+- name: KAREUS_OPERATOR_IMAGE_PULL_POLICY
+  value: {{ .Values.operator.workerImage.pullPolicy | default "" | quote }}
+- name: KAREUS_OPERATOR_IMAGE_PULL_SECRETS
+  value: {{ include "kareus.workers.imagePullSecretNames" . | quote }}
+- name: KAREUS_OPERATOR_RENDEZVOUS_TIMEOUT_S
+  value: {{ .Values.workers.rendezvousTimeoutSeconds | quote }}
 - name: KAREUS_OPERATOR_POLICY_CONFIGMAP
   value: {{ include "kareus.policy.configMapName" . | quote }}
 - name: KAREUS_OPERATOR_POLICY_NAMESPACE
@@ -261,10 +267,51 @@ kareus.dev/job-name
 {{- end -}}
 
 {{/* Namespaces that get the worker service account: workers.namespaces, else the watched ones, else
-the policy's allowed ones. */}}
+the policy's allowed ones, else (the operator watches the whole cluster and every namespace may run
+jobs) `default`, where a job without a namespace lands, so the quickstart runs as installed. */}}
 {{- define "kareus.workers.namespaces" -}}
 {{- $namespaces := .Values.workers.namespaces | default .Values.operator.args.watchNamespaces | default .Values.policy.allowedNamespaces -}}
-{{- toJson (default list $namespaces) -}}
+{{- toJson (default (list "default") $namespaces) -}}
+{{- end -}}
+
+{{/* workers.imagePullSecrets as a JSON list of Secret names (entries may be names or {name: ...}). */}}
+{{- define "kareus.workers.imagePullSecretNames" -}}
+{{- $names := list -}}
+{{- range .Values.workers.imagePullSecrets | default list -}}
+{{- if kindIs "string" . -}}
+{{- $names = append $names . -}}
+{{- else -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- end -}}
+{{- toJson (uniq $names) -}}
+{{- end -}}
+
+{{/* The node agent's affinity: nodeAgent.affinity, plus one required node-affinity term per GPU node
+label (nodeAgent.gpuNodeLabels and extraGpuNodeLabels, `key=value` or `key`; terms are ORed), unless
+nodeAgent.affinity brings its own required node affinity. YAML, empty for none. */}}
+{{- define "kareus.nodeAgent.affinity" -}}
+{{- $agent := .Values.nodeAgent -}}
+{{- $affinity := deepCopy ($agent.affinity | default dict) -}}
+{{- $terms := list -}}
+{{- range concat ($agent.gpuNodeLabels | default list) ($agent.extraGpuNodeLabels | default list) | uniq -}}
+{{- $kv := regexSplit "=" . 2 -}}
+{{- $expression := dict "key" (first $kv) "operator" "Exists" -}}
+{{- if eq (len $kv) 2 -}}
+{{- $expression = dict "key" (first $kv) "operator" "In" "values" (list (last $kv)) -}}
+{{- end -}}
+{{- $terms = append $terms (dict "matchExpressions" (list $expression)) -}}
+{{- end -}}
+{{- if $terms -}}
+{{- $node := $affinity.nodeAffinity | default dict -}}
+{{- if not $node.requiredDuringSchedulingIgnoredDuringExecution -}}
+{{- $_ := set $node "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" $terms) -}}
+{{- end -}}
+{{- $_ := set $affinity "nodeAffinity" $node -}}
+{{- end -}}
+{{- if $affinity -}}
+{{- toYaml $affinity -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The cross-field rules of kareus.policy that values.schema.json cannot express, so an install
