@@ -179,7 +179,7 @@ def nccl_options(comm_sms: int) -> object:
     config = getattr(options, "config", None)
     if config is None or not hasattr(config, "min_ctas") or not hasattr(config, "max_ctas"):
         raise CommSmsError("this torch's ProcessGroupNCCL.Options has no config.min_ctas/max_ctas, so comm SM "
-                           "counts cannot be enforced; use torch >= 2.2 with NCCL >= 2.17, or --schedule sequential")
+                           "counts cannot be enforced; use torch >= 2.6 with NCCL >= 2.17, or --schedule sequential")
     config.min_ctas = comm_sms
     config.max_ctas = comm_sms
     options.is_high_priority_stream = True
