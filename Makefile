@@ -4,15 +4,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The CPU build of torch; on machines that ship it on disk pip takes that file.
-TORCH_SPEC ?= torch==2.13.0
+# The pinned torch (requirements/torch.txt, the one source of its version: the runtime image reads it
+# too); on machines that ship it on disk pip takes that file.
+TORCH_PIN := requirements/torch.txt
 
 .PHONY: install kube kueue prometheus test run lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(TORCH_PIN)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip setuptools wheel
-	$(BIN)/pip install "$(TORCH_SPEC)"
+	$(BIN)/pip install -r $(TORCH_PIN)
 	$(BIN)/pip install -e ".[operator,node,train,dev]"
 	touch $(STAMP)
 

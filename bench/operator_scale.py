@@ -36,7 +36,7 @@ from pathlib import Path
 
 import psutil
 import yaml
-from kareus_operator.devcluster.cluster import RELEASE, RELEASE_NAMESPACE, DevCluster
+from kareus_devcluster.cluster import RELEASE, RELEASE_NAMESPACE, DevCluster
 from kareus_operator.kube import Kube, load_kubeconfig, path
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"

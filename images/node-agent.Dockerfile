@@ -2,7 +2,7 @@
 # The Kareus node agent (`kareus-node`): authorised GPU clock control and GPU metrics, installed with
 # the `node` extra only. The image carries no NVIDIA driver: NVML (libnvidia-ml.so) comes from the
 # host driver, injected by the NVIDIA container runtime because of NVIDIA_DRIVER_CAPABILITIES below.
-# Build from the repository root:  docker build -f images/node-agent.Dockerfile -t kareus-node-agent .
+# Build from the repository root:  docker build -f images/node-agent.Dockerfile -t localhost/kareus/node-agent:0.1.0 .
 ARG PYTHON_VERSION=3.11
 ARG DEBIAN_RELEASE=bookworm
 ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE}
@@ -15,8 +15,9 @@ COPY kareus ./kareus
 COPY operator ./operator
 COPY node_daemon ./node_daemon
 RUN python -m venv /opt/kareus \
-    && /opt/kareus/bin/pip install ".[node]" \
-    && /opt/kareus/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
+    && /opt/kareus/bin/pip install --no-compile ".[node]" \
+    && /opt/kareus/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
+    && /opt/kareus/bin/kareus-node --help >/dev/null
 
 FROM ${BASE_IMAGE}
 ARG KAREUS_VERSION=0.1.0

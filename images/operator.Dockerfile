@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # The Kareus operator: the kopf controller and the pure core (numpy, scipy, pymoo, lowtime,
 # xgboost for re-selecting plans), installed with the `operator` extra only: no torch, no NVML.
-# Build from the repository root:  docker build -f images/operator.Dockerfile -t kareus-operator .
+# Build from the repository root:  docker build -f images/operator.Dockerfile -t localhost/kareus/operator:0.1.0 .
 ARG PYTHON_VERSION=3.11
 ARG DEBIAN_RELEASE=bookworm
 ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE}
@@ -14,8 +14,9 @@ COPY kareus ./kareus
 COPY operator ./operator
 COPY node_daemon ./node_daemon
 RUN python -m venv /opt/kareus \
-    && /opt/kareus/bin/pip install ".[operator]" \
-    && /opt/kareus/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
+    && /opt/kareus/bin/pip install --no-compile ".[operator]" \
+    && /opt/kareus/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
+    && /opt/kareus/bin/kareus-operator --help >/dev/null
 
 FROM ${BASE_IMAGE}
 ARG KAREUS_VERSION=0.1.0

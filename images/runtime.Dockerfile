@@ -1,12 +1,14 @@
 # syntax=docker/dockerfile:1.7
 # The Kareus training runtime: the profile, optimize and train pods (`kareus profile|optimize|train`
-# wrapped by `kareus-operator publish`). Starts from a CUDA build of PyTorch and adds the `train`
-# extra only; the build fails if pip replaced the CUDA torch with another build.
-# Build from the repository root:  docker build -f images/runtime.Dockerfile -t kareus-runtime .
-ARG TORCH_VERSION=2.5.1
-ARG CUDA_VERSION=12.4
-ARG CUDNN_VERSION=9
-ARG BASE_IMAGE=pytorch/pytorch:${TORCH_VERSION}-cuda${CUDA_VERSION}-cudnn${CUDNN_VERSION}-runtime
+# wrapped by `kareus-operator publish`). Python from the base image, then exactly the torch the project
+# pins (requirements/torch.txt, PyPI's CUDA build: on a GPU node the NVIDIA container runtime injects
+# the driver), then the `train` extra constrained to that torch. The build checks itself: the
+# entrypoint starts, torch is the pinned one, and `new_group` takes `device_id` (torch >= 2.6), which
+# the runtime's communicators need.
+# Build from the repository root:  docker build -f images/runtime.Dockerfile -t localhost/kareus/runtime:0.1.0 .
+ARG PYTHON_VERSION=3.11
+ARG DEBIAN_RELEASE=bookworm
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-${DEBIAN_RELEASE}
 
 FROM ${BASE_IMAGE}
 ARG KAREUS_VERSION=0.1.0
@@ -17,21 +19,28 @@ LABEL org.opencontainers.image.title="kareus-runtime" \
       org.opencontainers.image.licenses="Apache-2.0"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/kareus/src
+# torch first, in a layer of its own: it is most of the image, and changes far less often than the code.
+COPY requirements/torch.txt ./requirements/torch.txt
+RUN python -m venv /opt/kareus \
+    && /opt/kareus/bin/pip install --no-compile -r requirements/torch.txt
 COPY pyproject.toml ./
 COPY kareus ./kareus
 COPY operator ./operator
 COPY node_daemon ./node_daemon
-RUN python -c "import torch; print(torch.__version__, torch.version.cuda)" > /tmp/torch-before \
-    && pip install ".[train]" \
-    && python -c "import torch; print(torch.__version__, torch.version.cuda)" > /tmp/torch-after \
-    && cmp /tmp/torch-before /tmp/torch-after \
-    && python -c "import torch, sys; sys.exit(torch.version.cuda is None)" \
-    && rm /tmp/torch-before /tmp/torch-after
-ENV PYTHONUNBUFFERED=1 \
+RUN /opt/kareus/bin/pip install --no-compile -c requirements/torch.txt ".[train]" \
+    && /opt/kareus/bin/kareus --help >/dev/null \
+    && /opt/kareus/bin/python -c "import inspect, sys, torch, torch.distributed as dist; \
+pin = open('requirements/torch.txt').read().split('torch==')[1].split()[0]; \
+sys.exit(f'torch {torch.__version__} is not the pinned {pin}' if torch.__version__.split('+')[0] != pin else \
+'torch.distributed.new_group takes no device_id' if 'device_id' not in inspect.signature(dist.new_group).parameters else 0)" \
+    && cd / && rm -rf /opt/kareus/src
+ENV PATH=/opt/kareus/bin:${PATH} \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     MPLCONFIGDIR=/tmp/matplotlib \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /workspace
 # Non-root: training needs no privileges; clock requests go through the node agent's socket.
-USER 1000:1000
+USER 65532:65532
 CMD ["kareus", "--help"]

@@ -17,7 +17,7 @@ _namespaces = itertools.count()
 
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory):
-    from kareus_operator.devcluster.controlplane import ControlPlane, binaries_dir
+    from kareus_devcluster.controlplane import ControlPlane, binaries_dir
 
     from kareus.errors import KareusError
 
@@ -62,7 +62,7 @@ def dev_cluster(control_plane, tmp_path_factory):
     """The session's cluster: the control plane above, one emulated GPU node (8 simulated A100s) and
     the chart's platform release (CRD, node agent; operator scaled to 0). Test modules install their
     own operator releases (`DevCluster.install_operator`), each watching only its namespaces."""
-    from kareus_operator.devcluster.cluster import DevCluster
+    from kareus_devcluster.cluster import DevCluster
 
     with DevCluster(tmp_path_factory.mktemp("devcluster"), control_plane=control_plane, operator=False,
                     worker_namespaces=()) as cluster:

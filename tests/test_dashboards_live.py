@@ -3,7 +3,7 @@
 The session's dev cluster gets the monitoring API (the ServiceMonitor/PodMonitor/PrometheusRule
 CRDs), the chart's monitors for its platform release (node agents, training pods), an operator
 release watching namespace `obs` with its own ServiceMonitor, and a real Prometheus
-(`kareus_operator.devcluster.prometheus.DevPrometheus`: Debian's binary; targets from the real
+(`kareus_devcluster.prometheus.DevPrometheus`: Debian's binary; targets from the real
 API server, relabelled as the monitors say). `examples/quickstart.yaml` (16 steps instead of 8, so that its pod holds the GPUs for several
 scrapes) then runs to Succeeded.
 
@@ -58,9 +58,9 @@ UNIT_RANGE = {"watt": (0.0, 8 * 1000.0), "kwatth": (0.0, 1.0), "joule": (0.0, 1e
 def observed(dev_cluster, tmp_path_factory):
     """(cluster, prometheus, jobs API, core API): monitors, an operator release, Prometheus, and the
     quickstart finished."""
-    from kareus_operator.devcluster.cluster import RELEASE as PLATFORM
-    from kareus_operator.devcluster.cluster import RELEASE_NAMESPACE as PLATFORM_NS
-    from kareus_operator.devcluster.prometheus import MONITORING_GROUP, DevPrometheus, install_monitoring
+    from kareus_devcluster.cluster import RELEASE as PLATFORM
+    from kareus_devcluster.cluster import RELEASE_NAMESPACE as PLATFORM_NS
+    from kareus_devcluster.prometheus import MONITORING_GROUP, DevPrometheus, install_monitoring
 
     metrics = install_monitoring(dev_cluster)
     # The platform release's monitors and rules (node agents, training pods in every namespace).

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kareus_operator.devcluster.cluster import NODE_GPUS, NODE_NAME, node_gpu_uuids
+from kareus_devcluster.cluster import NODE_GPUS, NODE_NAME, node_gpu_uuids
 from kube_helpers import read_or_none, wait_until
 from kubernetes import client
 from kubernetes.client.rest import ApiException

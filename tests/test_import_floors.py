@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"kareus": ROOT / "kareus", "kareus_operator": ROOT / "operator" / "kareus_operator",
-           "kareus_node": ROOT / "node_daemon" / "kareus_node"}
+           "kareus_node": ROOT / "node_daemon" / "kareus_node",
+           "kareus_devcluster": ROOT / "devcluster" / "kareus_devcluster"}
 
 BASE = {"kareus", "kareus.errors", "kareus.metric_names"}  # version, errors, metric names
 CORE = BASE | {"kareus.search", "kareus.workload", "kareus.spec", "kareus.policy", "kareus.sim", "kareus.gpu",
@@ -50,11 +51,11 @@ ALLOWED: dict[str, set[str]] = {
     "kareus.runtime": BASE | {"kareus.workload", "kareus.spec", "kareus.sim", "kareus.gpu", "kareus.job",
                               "kareus.objective", "kareus.plan", "kareus.daemon_client", "kareus.straggler"},
     # the shells
-    "kareus.cli": CORE | {"kareus_operator", "kareus_operator.devcluster"},
+    "kareus.cli": CORE | {"kareus_operator", "kareus_devcluster"},
     "kareus.__main__": {"kareus.cli"},
     "kareus_operator": CORE - {"kareus.runtime"},
     # the dev cluster's emulated node serves the kubelet's pod-resources API with the node agent's protos
-    "kareus_operator.devcluster": CORE - {"kareus.runtime"} | {"kareus_operator", "kareus_node"},
+    "kareus_devcluster": CORE - {"kareus.runtime"} | {"kareus_operator", "kareus_node"},
     "kareus_node": BASE | {"kareus.gpu", "kareus.sim", "kareus.policy", "kareus.daemon_client", "kareus.launcher",
                            "kareus.incluster"},
 }
@@ -65,8 +66,6 @@ SHELL_LIBRARIES = {"kopf", "kubernetes", "kmock", "aiohttp", "grpc"}
 
 def unit_of(module: str) -> str:
     parts = module.split(".")
-    if parts[:2] == ["kareus_operator", "devcluster"]:
-        return "kareus_operator.devcluster"
     if parts[0] != "kareus":
         return parts[0]
     return ".".join(parts[:2])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from kareus_operator.devcluster.kueue import API, DevKueue, quota_objects
+from kareus_devcluster.kueue import API, DevKueue, quota_objects
 from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
 from operator_fakes import QUICKSTART, conditions, settings_env

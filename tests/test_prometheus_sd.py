@@ -1,6 +1,6 @@
 """The dev cluster's Prometheus scrapes exactly what the chart's monitors select.
 
-`kareus_operator.devcluster.prometheus.scrape_configs` turns ServiceMonitors and PodMonitors into
+`kareus_devcluster.prometheus.scrape_configs` turns ServiceMonitors and PodMonitors into
 `kubernetes_sd_configs` (role: pod) jobs. Here Prometheus' pod discovery is replayed in Python —
 one candidate target per container port, with the `__meta_kubernetes_*` labels Prometheus gives it —
 and each job's relabelling is applied; the surviving targets must be exactly the (namespace, pod,
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kareus_operator.devcluster.prometheus import label_name, pod_targets, scrape_configs
+from kareus_devcluster.prometheus import label_name, pod_targets, scrape_configs
 from kareus_operator.settings import LABEL_JOB, LABEL_ROLE
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk has no wheel for this platform")

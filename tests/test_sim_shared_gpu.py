@@ -189,7 +189,7 @@ async def test_the_emulated_device_plugin_names_the_shared_gpus_to_containers_gi
     """As the NVIDIA container runtime exposes the GPUs `NVIDIA_VISIBLE_DEVICES` names: a container
     allocated GPUs, or asking for `all` (the node agent), gets the node's device directory; one
     without GPUs does not."""
-    from kareus_operator.devcluster.kubelet import Container, EmulatedNode, NodeSpec, PodRun
+    from kareus_devcluster.kubelet import Container, EmulatedNode, NodeSpec, PodRun
 
     node = object.__new__(EmulatedNode)  # only what `_environment` reads: no API server, no certificates
     node.spec, node.root, node.host_root = NodeSpec(name=NODE, gpus=2), tmp_path, tmp_path / "host"

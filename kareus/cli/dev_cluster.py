@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from kareus_operator.devcluster import cluster
+        from kareus_devcluster import cluster
     except ImportError as error:
         raise KareusError(f"dev-cluster needs the operator extra (pip install 'kareus[operator]'): {error}") from None
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):

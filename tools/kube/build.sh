@@ -5,7 +5,7 @@
 # envtest's KUBEBUILDER_ASSETS) names a directory holding all five binaries.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl)
+binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
 
 have_all() {
 	local dir="$1" name
@@ -27,6 +27,9 @@ bin="$cache/$version/bin"
 if have_all "$bin"; then echo "$bin"; exit 0; fi
 
 mkdir -p "$bin.partial"
+# Keep what an earlier build of the same version made (a cache from before kubelet and kube-proxy
+# were added builds only those two).
+[[ -d "$bin" ]] && cp -n "$bin"/* "$bin.partial/" 2>/dev/null || true
 major="${version#v}"; minor="${major#*.}"; major="${major%%.*}"; minor="${minor%%.*}"
 # Version stamps as the upstream release build sets them, so kubectl and the
 # version-skew checks see a real release and not v0.0.0-master.
@@ -39,8 +42,9 @@ echo "kube: building $version into $bin (first time only; about 10 min on 2 core
 cd "$here"
 export CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -mod=mod"
 start=$(date +%s)
-go build -trimpath -ldflags "-s -w$stamp" -o "$bin.partial/etcd" go.etcd.io/etcd/server/v3
-for name in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+[[ -x "$bin.partial/etcd" ]] || go build -trimpath -ldflags "-s -w$stamp" -o "$bin.partial/etcd" go.etcd.io/etcd/server/v3
+for name in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do
+	[[ -x "$bin.partial/$name" ]] && continue
 	go build -trimpath -ldflags "-s -w$stamp" -o "$bin.partial/$name" "k8s.io/kubernetes/cmd/$name"
 done
 rm -rf "$bin" && mv "$bin.partial" "$bin"

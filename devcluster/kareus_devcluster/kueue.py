@@ -37,9 +37,9 @@ from typing import Any
 import yaml
 
 from kareus.errors import KareusError
-from kareus_operator.devcluster.controlplane import ControlPlane, Started, free_port, last_lines, stop_process
+from kareus_devcluster.controlplane import ControlPlane, Started, free_port, last_lines, stop_process
 
-KUEUE_MODULE = Path(__file__).resolve().parents[3] / "tools" / "kueue"
+KUEUE_MODULE = Path(__file__).resolve().parents[2] / "tools" / "kueue"
 KUEUE_USER = "kareus-dev-kueue"
 KUEUE_NAMESPACE = "kueue-system"
 WEBHOOK_NAMES = ("kareus-dev-kueue-mutating", "kareus-dev-kueue-validating")

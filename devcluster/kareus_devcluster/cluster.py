@@ -1,15 +1,19 @@
-"""The dev cluster: a real control plane, emulated GPU nodes, and Kareus installed from its chart.
+"""The dev cluster: a real control plane, real nodes, and Kareus installed from its chart, in its images.
 
 `DevCluster` (synchronous; `with DevCluster(workdir) as cluster:`) starts, in order:
 
 1. the control plane (`controlplane.ControlPlane`: etcd, kube-apiserver, kube-controller-manager,
-   kube-scheduler of the pinned release) — or joins one a caller already runs;
-2. the emulated GPU nodes (`kubelet.EmulatedNode`, one process each), and waits until the
-   scheduler can see them Ready;
+   kube-scheduler of the pinned release, and the node network) — or joins one a caller already runs;
+2. Kareus's images (`make images`, cached by content) and the nodes (`node.RealNode`: the upstream
+   kubelet, containerd and runc, kube-proxy, each node in its own network and mount namespace, the
+   images imported), then CoreDNS as kubeadm deploys it (`dns`), and waits until the nodes are Ready;
 3. the Helm chart, rendered by the real Helm engine (helm-python-sdk embeds Helm's Go SDK) and
    applied with kubectl as a release named `kareus` in `kareus-system`: the CRD, RBAC, the node
    agent DaemonSet (simulated GPUs: `nodeAgent.backend: sim`) and the operator Deployment, which
-   runs as a pod on an emulated node under the chart's ServiceAccount, so RBAC applies to it.
+   runs in its image on a node under the chart's ServiceAccount, so RBAC applies to it.
+
+Only the GPU is simulated: a device plugin on the kubelet's real device-plugin API
+(`deviceplugin`) hands out simulated GPUs by UUID, with the node's simulated-GPU state mounted.
 
 More operator releases (each watching its own namespaces with its own settings) can be installed
 with `install_operator`; tests use that to run fast fake phases beside the real ones.
@@ -24,7 +28,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +37,7 @@ from typing import Any
 import yaml
 
 from kareus.errors import KareusError
-from kareus_operator.devcluster.controlplane import (
+from kareus_devcluster.controlplane import (
     REPO_ROOT,
     ControlPlane,
     Started,
@@ -42,9 +45,11 @@ from kareus_operator.devcluster.controlplane import (
     last_lines,
     stop_process,
 )
-from kareus_operator.devcluster.kubelet import node_cgroup, remove_cgroups
-from kareus_operator.devcluster.kueue import DevKueue, quota_objects
-from kareus_operator.devcluster.prometheus import DevPrometheus, install_monitoring
+from kareus_devcluster import dns
+from kareus_devcluster.images import node_images
+from kareus_devcluster.kueue import DevKueue, quota_objects
+from kareus_devcluster.node import SIM_GPU_DIR, Credentials, NodeSpec, RealNode
+from kareus_devcluster.prometheus import DevPrometheus, install_monitoring
 
 NODE_NAME = "kareus-dev-node"  # the first node; more are <NODE_NAME>-1, -2, …
 NODE_GPUS = 8
@@ -71,16 +76,6 @@ def node_gpu_uuids(name: str, count: int = NODE_GPUS, product: str = NODE_GPU_PR
     return [gpu.uuid for gpu in discover("sim", count=count, product=product, node=name)]
 
 
-@dataclass
-class Node:
-    """One emulated node's process."""
-
-    name: str
-    process: subprocess.Popen
-    root: Path
-    log: Path
-
-
 class DevCluster(Started):
     """See the module docstring. `stop()` ends every process it started and nothing else."""
 
@@ -89,7 +84,7 @@ class DevCluster(Started):
                  gpu_product: str = NODE_GPU_PRODUCT, taint_gpus: bool = False, pods_per_node: int = 110,
                  operator: bool = True,
                  node_agent: bool = True, operator_settings: Mapping[str, str] | None = None,
-                 operator_args: Sequence[str] = (), pod_env: Mapping[str, str] | None = None,
+                 operator_args: Sequence[str] = (),
                  worker_namespaces: Sequence[str] = ("default",), watch_namespaces: Sequence[str] = (),
                  prometheus: bool = False, kueue: bool = False) -> None:
         if nodes < 1:
@@ -103,15 +98,10 @@ class DevCluster(Started):
         self.want_operator, self.want_node_agent = operator, node_agent
         self.operator_settings = dict(operator_settings or {})
         self.operator_args = list(operator_args)
-        self.pod_env = dict(pod_env or {})
         self.worker_namespaces, self.watch_namespaces = list(worker_namespaces), list(watch_namespaces)
-        self.nodes: list[Node] = []
-        self._addresses = 0  # nodes started so far: node k listens on 127.0.0.k
-        self._short_root: Path | None = None
-        # Every emulated node is a loopback address of this one machine, shared with other dev
-        # clusters: the agents' TCP API port is a free one, chosen once, since every release's
-        # operator must tell worker pods the same port the agents listen on.
-        self.daemon_port = free_port()
+        self.nodes: list[RealNode] = []
+        self._started_nodes = 0  # node names are never reused: a removed node's may still be known
+        self._images: list[tuple[str, Path]] = []
         self.want_prometheus = prometheus  # a real Prometheus scraping what the chart's monitors select
         self.prometheus: DevPrometheus | None = None
         self.want_kueue = kueue  # the real Kueue controller, with a ClusterQueue over every GPU
@@ -133,13 +123,13 @@ class DevCluster(Started):
         self.kubeconfig.parent.mkdir(parents=True, exist_ok=True)
         self.kubeconfig.write_text(self.control_plane.admin.kubeconfig.read_text())
         self.kubeconfig.chmod(0o600)
-        # Unix sockets (the node agent's, pod-resources) live under the nodes' roots: keep them short.
-        self._short_root = Path(tempfile.mkdtemp(prefix="kd-"))
+        self._images = node_images()
         for index in range(self.node_count):
             self.nodes.append(self._start_node(node_name(index), gpus=self.gpus_per_node, taint=self.taint_gpus))
         if self.taint_gpus:  # the operator tolerates no GPU taint: give it a node, as a real cluster has
             self.nodes.append(self._start_node(f"{NODE_NAME}-cpu", gpus=0, taint=False))
         self._wait_nodes_ready()
+        dns.install(self)
         values = self.values(operator=self.want_operator, node_agent=self.want_node_agent)
         if self.want_prometheus:
             values["metrics"] = install_monitoring(self)
@@ -162,57 +152,45 @@ class DevCluster(Started):
             self.prometheus.stop()
             self.prometheus = None
         for node in self.nodes:
-            stop_process(node.process, grace_s=15.0)
-            # A node killed before it could end its pods leaves them running, as a dead kubelet does;
-            # the dev cluster must not: whatever is still in the node's cgroups goes with it.
-            remove_cgroups(node_cgroup(node.name, node.process.pid))
+            self._stop_node(node)
         self.nodes = []
         if self.owns_control_plane and self.control_plane is not None:
             self.control_plane.stop()
-        if self._short_root is not None:
-            subprocess.run(["rm", "-rf", str(self._short_root)], check=False)
-            self._short_root = None
 
     # ------------------------------------------------------------------ nodes
 
-    def _start_node(self, name: str, *, gpus: int, taint: bool, gpu_product: str | None = None) -> Node:
+    def _start_node(self, name: str, *, gpus: int, taint: bool, gpu_product: str | None = None) -> RealNode:
         plane = self.control_plane
-        assert plane is not None and plane.ca is not None and self._short_root is not None
-        identity = plane.identity(f"node-{name}", f"system:node:{name}", ("system:nodes",))
-        self._addresses += 1  # never reused: a removed node's address may still be bound a moment
-        address = f"127.0.0.{self._addresses}"
-        serving = plane.ca.issue(f"kubelet-{name}", name, server=True, ips=(address,), dns=(name, "localhost"))
-        root = self._short_root / name
-        (self.workdir / "nodes").mkdir(exist_ok=True)
-        link = self.workdir / "nodes" / name
-        if not link.exists():
-            link.symlink_to(root, target_is_directory=True)
-        config = {
-            "spec": {"name": name, "gpus": gpus, "gpu_product": gpu_product or self.gpu_product,
-                     "gpu_uuids": node_gpu_uuids(name, gpus, gpu_product or self.gpu_product) if gpus else [],
-                     "taint_gpus": taint,
-                     "max_pods": self.pods_per_node, "address": address},
-            "root": str(root), "server": plane.url, "ca_file": str(plane.ca_file),
-            "cert_file": str(identity.pair.cert_file), "key_file": str(identity.pair.key_file),
-            "serving_cert_file": str(serving.cert_file), "serving_key_file": str(serving.key_file),
-            "kubelet_port": free_port(), "extra_env": self.pod_env,
-        }
-        config_path = self.workdir / f"node-{name}.json"
-        config_path.write_text(json.dumps(config, indent=1))
-        log_path = self.workdir / f"node-{name}.log"
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen([sys.executable, "-m", "kareus_operator.devcluster.kubelet", str(config_path)],
-                                       stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                       start_new_session=True, text=True)
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        if line.strip() != "ready":
-            stop_process(process)
-            raise KareusError(f"emulated node {name} did not start: {last_lines(log_path)}")
-        return Node(name, process, root, log_path)
+        assert plane is not None and plane.ca is not None
+        self._started_nodes += 1
+        product = gpu_product or self.gpu_product
+        address = plane.network.add_node(name)
+        kubelet = plane.identity(f"node-{name}", f"system:node:{name}", ("system:nodes",))
+        proxy = plane.identity(f"kube-proxy-{name}", "system:kube-proxy")
+        serving = plane.ca.issue(f"kubelet-{name}", name, server=True, ips=(address.ip,), dns=(name,))
+        spec = NodeSpec(name=name, gpus=gpus, gpu_product=product, taint_gpus=taint, max_pods=self.pods_per_node,
+                        gpu_uuids=tuple(node_gpu_uuids(name, gpus, product)) if gpus else ())
+        node = RealNode(spec, address, self.workdir / "nodes" / name, binaries=plane.bin, slot=plane.network.slot,
+                        credentials=Credentials(plane.ca_file, kubelet.kubeconfig, proxy.kubeconfig,
+                                                serving.cert_file, serving.key_file),
+                        images=self._images)
+        try:
+            node.start()
+        except BaseException:
+            self._stop_node(node)
+            raise
+        return node
+
+    def _stop_node(self, node: RealNode) -> None:
+        node.stop()
+        assert self.control_plane is not None
+        self.control_plane.network.remove_node(node.spec.name)
+
+    def node(self, name: str) -> RealNode:
+        return next(n for n in self.nodes if n.spec.name == name)
 
     def _wait_nodes_ready(self) -> None:
-        names = {node.name for node in self.nodes}
+        names = {node.spec.name for node in self.nodes}
 
         def ready() -> bool:
             assert self.control_plane is not None
@@ -221,7 +199,7 @@ class DevCluster(Started):
                 c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))}
             return names <= ready_names
 
-        self._wait("the emulated nodes to be Ready", ready)
+        self._wait("the nodes to be Ready", ready)
 
     # ------------------------------------------------------------------ the chart
 
@@ -240,8 +218,8 @@ class DevCluster(Started):
                                   "extra": list(self.operator_args if args is None else args)}},
             "workers": {"namespaces": list(self.worker_namespaces if worker_namespaces is None else worker_namespaces)},
             "nodeAgent": {"enabled": node_agent, "backend": "sim",
-                          "sim": {"gpus": max(self.gpus_per_node, 1), "product": self.gpu_product},
-                          "metricsPort": free_port(), "port": self.daemon_port},
+                          "sim": {"gpus": max(self.gpus_per_node, 1), "product": self.gpu_product,
+                                  "deviceDir": SIM_GPU_DIR}},
         }
 
     def render(self, release: str, namespace: str, values: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -299,20 +277,19 @@ class DevCluster(Started):
         return self.install(release, namespace, values)
 
     def add_node(self, *, gpus: int = 0, gpu_product: str | None = None, taint: bool = False) -> str:
-        """One more emulated node (its own loopback address), of another GPU product if given and
-        with the nvidia.com/gpu taint if asked; its name."""
-        name = node_name(self._addresses)
+        """One more node, of another GPU product if given and with the nvidia.com/gpu taint if asked;
+        its name."""
+        name = node_name(self._started_nodes)
         self.nodes.append(self._start_node(name, gpus=gpus, taint=taint, gpu_product=gpu_product))
         self._wait_nodes_ready()
         return name
 
     def remove_node(self, name: str) -> None:
         """Stop a node and delete its Node object (its pods go with it, as after a drain)."""
-        node = next(n for n in self.nodes if n.name == name)
+        node = self.node(name)
         self.kubectl("drain", name, "--force", "--ignore-daemonsets", "--delete-emptydir-data",
                      "--grace-period=5", "--timeout=60s", check=False)
-        stop_process(node.process, grace_s=15.0)
-        remove_cgroups(node_cgroup(node.name, node.process.pid))
+        self._stop_node(node)
         self.nodes.remove(node)
         self.kubectl("delete", "node", name, "--wait=false", check=False)
 
@@ -337,9 +314,10 @@ class DevCluster(Started):
     def _wait(self, what: str, ready: Any) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
-            dead = [node for node in self.nodes if node.process.poll() is not None]
-            if dead:
-                raise KareusError(f"emulated node {dead[0].name} exited: {last_lines(dead[0].log)}")
+            for node in self.nodes:
+                if (component := node.dead()) is not None:
+                    raise KareusError(f"node {node.spec.name}: {component} exited: "
+                                      f"{last_lines(node.log_dir / f'{component}.log')}")
             if ready():
                 return
             time.sleep(0.25)
@@ -357,7 +335,7 @@ def serve(workdir: Path, kubeconfig: Path, **options: Any) -> None:
         signal.signal(sig, stop)
     with DevCluster(workdir, kubeconfig=kubeconfig, **options) as cluster:
         print(f"API {cluster.url}, kubeconfig {cluster.kubeconfig}", flush=True)
-        print(f"nodes {', '.join(node.name for node in cluster.nodes)}; logs in {workdir}", flush=True)
+        print(f"nodes {', '.join(node.spec.name for node in cluster.nodes)}; logs in {workdir}", flush=True)
         if cluster.prometheus is not None:
             url = cluster.prometheus.url
             print(f"prometheus: {url}", flush=True)

@@ -60,7 +60,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kareus_operator.devcluster.pki import KeyPair
+from kareus_devcluster.pki import KeyPair
 from kareus_operator.kube import ApiError, Credentials, Kube
 
 log = logging.getLogger("kareus.devcluster.kubelet")
@@ -956,14 +956,14 @@ def remove_cgroups(path: Path | None) -> None:
 
 def _kube_version() -> str:
     with contextlib.suppress(Exception):
-        from kareus_operator.devcluster.controlplane import kube_version
+        from kareus_devcluster.controlplane import kube_version
 
         return kube_version()
     return "v0.0.0"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m kareus_operator.devcluster.kubelet CONFIG.json`: run one emulated node until SIGTERM.
+    """`python -m kareus_devcluster.kubelet CONFIG.json`: run one emulated node until SIGTERM.
 
     The node is its own process, as a kubelet is, so a test can stop one node without the others.
     Prints `ready` once the Node is registered and pods can run.

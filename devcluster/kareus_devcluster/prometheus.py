@@ -53,7 +53,7 @@ from typing import Any
 import yaml
 
 from kareus.errors import KareusError
-from kareus_operator.devcluster.controlplane import (
+from kareus_devcluster.controlplane import (
     ControlPlane,
     Started,
     free_port,

@@ -10,8 +10,10 @@ default controller (garbage collector, namespace, service accounts and tokens, J
 Deployment, DaemonSet, resource quota, node lifecycle, TTL-after-finished, …) with one service
 account per controller; the scheduler binds pods to nodes by their resources, taints and selectors.
 
-What is not here is a node: `kubelet.EmulatedNode` registers and runs them. Every listener is on
-127.0.0.1.
+What is not here is a node: `node.RealNode` runs them (kubelet, containerd, kube-proxy). The API server
+listens on the host's address on the dev cluster's node network (`network.ClusterNetwork`, which the
+control plane creates), where the nodes and, through the `kubernetes` Service, the pods reach it; etcd,
+the controller manager and the scheduler listen on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ from typing import Any
 import yaml
 
 from kareus.errors import KareusError
-from kareus_operator.devcluster.pki import Authority, KeyPair, service_account_keys
+from kareus_devcluster.network import ClusterNetwork
+from kareus_devcluster.pki import Authority, KeyPair, service_account_keys
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 KUBE_MODULE = REPO_ROOT / "tools" / "kube"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy")
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service's cluster IP: first of the range
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -143,10 +146,16 @@ class ControlPlane(Started):
         self.kubelet_client: KeyPair | None = None
         self.front_proxy: KeyPair | None = None
         self.sa_keys: KeyPair | None = None
+        self.network = ClusterNetwork()
+
+    @property
+    def address(self) -> str:
+        """The API server's address: the host's on the node network."""
+        return self.network.gateway
 
     @property
     def url(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
+        return f"https://{self.address}:{self.port}"
 
     @property
     def ca_file(self) -> Path:
@@ -182,8 +191,10 @@ class ControlPlane(Started):
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(exist_ok=True)
+        self.network.create()
         self.ca = Authority(self.pki_dir)
-        serving = self.ca.issue("apiserver", "kube-apiserver", server=True, ips=("127.0.0.1", SERVICE_IP),
+        serving = self.ca.issue("apiserver", "kube-apiserver", server=True,
+                                ips=("127.0.0.1", self.address, SERVICE_IP),
                                 dns=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                                      "kubernetes.default.svc.cluster.local"))
         self.kubelet_client = self.ca.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client",
@@ -194,6 +205,15 @@ class ControlPlane(Started):
         self._start_etcd()
         self._start_apiserver(serving)
         self._wait_ready()
+        # The API server's own client certificate, as kubeadm binds it: the kubelets authorize `kubectl
+        # logs`, `exec` and `port-forward` against this (webhook authorization).
+        self.run_kubectl("apply", "--server-side", "--field-manager=kareus-dev", "-f", "-", input=yaml.safe_dump({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "kube-apiserver-kubelet-api-admin"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "system:kubelet-api-admin"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                          "name": "kube-apiserver-kubelet-client"}]}))
         controller_manager = self.identity("controller-manager", "system:kube-controller-manager")
         scheduler = self.identity("scheduler", "system:kube-scheduler")
         self._spawn("kube-controller-manager", [
@@ -235,8 +255,8 @@ class ControlPlane(Started):
         self._spawn("kube-apiserver", [
             f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
             "--audit-log-maxsize=200", "--audit-log-maxbackup=1",
-            f"--etcd-servers=http://127.0.0.1:{self.etcd_port}", "--bind-address=127.0.0.1",
-            f"--secure-port={self.port}", "--advertise-address=127.0.0.1",
+            f"--etcd-servers=http://127.0.0.1:{self.etcd_port}", f"--bind-address={self.address}",
+            f"--secure-port={self.port}", f"--advertise-address={self.address}",
             f"--tls-cert-file={serving.cert_file}", f"--tls-private-key-file={serving.key_file}",
             f"--client-ca-file={self.ca_file}", f"--service-account-issuer={SA_ISSUER}",
             f"--service-account-key-file={self.sa_keys.cert_file}",
@@ -247,9 +267,6 @@ class ControlPlane(Started):
             f"--kubelet-client-key={self.kubelet_client.key_file}",
             f"--kubelet-certificate-authority={self.ca_file}",
             "--kubelet-preferred-address-types=InternalIP,Hostname",
-            # 127.0.0.1 cannot be an Endpoints address, so the `kubernetes` Service keeps no endpoints;
-            # in-cluster clients are pointed at the API server directly (KUBERNETES_SERVICE_HOST).
-            "--endpoint-reconciler-type=none",
             # The aggregation layer's front proxy, as kubeadm configures it; components read this CA
             # from kube-system/extension-apiserver-authentication.
             f"--requestheader-client-ca-file={self.ca_file}", "--requestheader-allowed-names=front-proxy-client",
@@ -318,6 +335,7 @@ class ControlPlane(Started):
         """SIGTERM in reverse start order (scheduler first, etcd last), SIGKILL after a grace period."""
         for name in reversed(list(self.processes)):
             stop_process(self.processes.pop(name))
+        self.network.destroy()
 
     def alive(self) -> dict[str, bool]:
         return {name: process.poll() is None for name, process in self.processes.items()}
