@@ -33,6 +33,9 @@ ENV PATH=/opt/kareus/bin:${PATH} \
     HOME=/tmp \
     MPLCONFIGDIR=/tmp/matplotlib
 # Non-root, numeric so runAsNonRoot can verify it.
+# A named user: getpass, kopf's peering identity and pip look the uid up in /etc/passwd.
+RUN echo "kareus:x:65532:65532:kareus:/tmp:/usr/sbin/nologin" >> /etc/passwd \
+    && echo "kareus:x:65532:" >> /etc/group
 USER 65532:65532
 ENTRYPOINT ["kareus-operator"]
 CMD ["run"]

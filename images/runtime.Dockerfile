@@ -23,11 +23,17 @@ WORKDIR /opt/kareus/src
 COPY requirements/torch.txt ./requirements/torch.txt
 RUN python -m venv /opt/kareus \
     && /opt/kareus/bin/pip install --no-compile -r requirements/torch.txt
+# Then the `train` extra's dependencies, in a layer that changes only with pyproject.toml (a stand-in
+# package lets pip resolve them), and last the code itself.
 COPY pyproject.toml ./
+RUN mkdir kareus && touch kareus/__init__.py \
+    && /opt/kareus/bin/pip install --no-compile -c requirements/torch.txt ".[train]" \
+    && /opt/kareus/bin/pip uninstall -y kareus && rm -rf kareus build
 COPY kareus ./kareus
 COPY operator ./operator
 COPY node_daemon ./node_daemon
-RUN /opt/kareus/bin/pip install --no-compile -c requirements/torch.txt ".[train]" \
+RUN /opt/kareus/bin/pip install --no-compile --no-deps . \
+    && /opt/kareus/bin/pip check \
     && /opt/kareus/bin/kareus --help >/dev/null \
     && /opt/kareus/bin/python -c "import inspect, sys, torch, torch.distributed as dist; \
 pin = open('requirements/torch.txt').read().split('torch==')[1].split()[0]; \
@@ -42,5 +48,8 @@ ENV PATH=/opt/kareus/bin:${PATH} \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /workspace
 # Non-root: training needs no privileges; clock requests go through the node agent's socket.
+# A named user: getpass, kopf's peering identity and pip look the uid up in /etc/passwd.
+RUN echo "kareus:x:65532:65532:kareus:/tmp:/usr/sbin/nologin" >> /etc/passwd \
+    && echo "kareus:x:65532:" >> /etc/group
 USER 65532:65532
 CMD ["kareus", "--help"]

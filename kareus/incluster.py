@@ -1,10 +1,9 @@
 """Where a process in a pod finds its service account and the API server.
 
 A kubelet mounts the token, CA and namespace at `/var/run/secrets/kubernetes.io/serviceaccount`
-and sets `KUBERNETES_SERVICE_HOST`/`_PORT`. The dev cluster's emulated nodes run pods as local
-processes without mount namespaces, so they put the projected volume elsewhere and name it in
-`KAREUS_SERVICEACCOUNT_DIR`; every in-pod client of Kareus reads these two functions, so that one
-variable is the only difference between the two.
+and sets `KUBERNETES_SERVICE_HOST`/`_PORT`; every in-pod client of Kareus reads these two functions.
+`KAREUS_SERVICEACCOUNT_DIR` names another directory for a component run outside a pod with a pod's
+credentials (the node daemon's tests do).
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ file is re-read every step, as a runtime watching it would) in `FAKE_STATE_DIR/<
     python tests/operator_fakes.py profile JOB --out PROFILE
     python tests/operator_fakes.py optimize JOB --profile PROFILE --out PLAN
     python tests/operator_fakes.py train JOB --plan PLAN --out DIR --nproc N
+
+In the dev cluster the pods run Kareus's runtime image, which has no tests in it: the operator's pod
+environment carries this file's source (`FAKE_SOURCE`), and the phase commands run it with the image's
+Python. A job gets `FAKE_STATE_DIR` as a hostPath volume through its `podTemplateOverrides`
+(`fake_overrides`): the nodes see the host's /tmp, so the test and the pods share that directory.
 """
 
 from __future__ import annotations
@@ -31,17 +36,32 @@ STEP_ENERGY_J = 123.0
 STEP_TIME_S = 0.25
 
 
+# Runs FAKE_SOURCE as this file would run (`__file__` only needs a parent directory or two).
+LOADER = ("import os; exec(compile(os.environ['FAKE_SOURCE'], 'operator_fakes.py', 'exec'), "
+          "{'__name__': '__main__', '__file__': '/fakes/tests/operator_fakes.py'})")
+FAKE_STATE_VOLUME = "fake-state"
+
+
 def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4, phase_s: float = 0.0,
-                 plan_file: Path | None = None) -> dict[str, str]:
-    """Operator environment that makes every pod run these fakes."""
-    python = sys.executable
+                 plan_file: Path | None = None, python: str = "python") -> dict[str, str]:
+    """Operator environment that makes every pod run these fakes (`python`: the image's interpreter;
+    `sys.executable` for processes on this machine)."""
+    for directory in (state_dir, *state_dir.resolve().parents):  # the pods' user is not this one
+        if directory == Path(directory.anchor) or directory == Path("/tmp"):
+            break
+        directory.chmod(directory.stat().st_mode | 0o755)
+        if directory.name.startswith("pytest-of-"):
+            break
+    state_dir.chmod(0o777)
     extra = {"FAKE_STATE_DIR": str(state_dir), "FAKE_STEP_S": str(step_s), "FAKE_STEPS": str(steps),
-             "FAKE_PHASE_S": str(phase_s)} | ({"FAKE_PLAN_FILE": str(plan_file)} if plan_file else {})
+             "FAKE_PHASE_S": str(phase_s), "FAKE_SOURCE": Path(SCRIPT).read_text()} | (
+        {"FAKE_PLAN_FILE": str(plan_file)} if plan_file else {})
+    fake = [python, "-c", LOADER]
     env = {
-        "KAREUS_OPERATOR_PROFILE_COMMAND": json.dumps([python, SCRIPT, "profile", "{job}", "--out", "{profile}"]),
-        "KAREUS_OPERATOR_OPTIMIZE_COMMAND": json.dumps([python, SCRIPT, "optimize", "{job}", "--profile", "{profile}",
+        "KAREUS_OPERATOR_PROFILE_COMMAND": json.dumps([*fake, "profile", "{job}", "--out", "{profile}"]),
+        "KAREUS_OPERATOR_OPTIMIZE_COMMAND": json.dumps([*fake, "optimize", "{job}", "--profile", "{profile}",
                                                         "--out", "{plan}"]),
-        "KAREUS_OPERATOR_TRAIN_COMMAND": json.dumps([python, SCRIPT, "train"]),
+        "KAREUS_OPERATOR_TRAIN_COMMAND": json.dumps([*fake, "train"]),
         "KAREUS_OPERATOR_PUBLISH_COMMAND": json.dumps([python, "-m", "kareus_operator.main", "publish"]),
         "KAREUS_OPERATOR_EXTRA_POD_ENV": json.dumps(extra),
         "KAREUS_OPERATOR_RESYNC_S": "2", "KAREUS_OPERATOR_BACKOFF_BASE_S": "0.5",
@@ -50,6 +70,35 @@ def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4, phase
         "KAREUS_OPERATOR_LEASE_DURATION_S": "4",
     }
     return env
+
+
+def shared_root(state_dir: Path | None = None) -> Path:
+    """The directory the pods get: pytest's root of temporary directories (`pytest-of-<user>`), which
+    holds every test's `tmp_path`, so one mount serves any state directory a test picks."""
+    import getpass
+    import tempfile
+
+    default = Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
+    if state_dir is None:
+        return default
+    return next((p for p in state_dir.resolve().parents if p.name.startswith("pytest-of-")), state_dir.resolve())
+
+
+def fake_overrides(state_dir: Path | None = None) -> list[dict]:
+    """`spec.podTemplateOverrides` that give every phase's pod the fakes' state directories."""
+    root = str(shared_root(state_dir))
+    return [{"roles": ["profile", "optimize", "train"],
+             "spec": {"volumes": [{"name": FAKE_STATE_VOLUME, "hostPath": {"path": root, "type": "Directory"}}],
+                      "volumeMounts": [{"name": FAKE_STATE_VOLUME, "mountPath": root}]}}]
+
+
+def fake_manifest(state_dir: Path | None = None) -> dict:
+    """The small valid job, its pods given the fakes' state directories."""
+    import yaml
+
+    job = yaml.safe_load(QUICKSTART.read_text())
+    job["spec"]["podTemplateOverrides"] = fake_overrides(state_dir)
+    return job
 
 
 def conditions(job: dict) -> dict[str, tuple[str, str]]:

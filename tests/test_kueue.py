@@ -14,7 +14,7 @@ import yaml
 from kareus_devcluster.kueue import API, DevKueue, quota_objects
 from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
-from operator_fakes import QUICKSTART, conditions, settings_env
+from operator_fakes import conditions, fake_manifest, settings_env
 
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
 NAMESPACE = "queued"
@@ -44,7 +44,7 @@ def api(dev_cluster, kueue, tmp_path_factory):
 
 
 def submit(jobs: client.CustomObjectsApi, name: str, priority: str = "batch") -> dict:
-    job = yaml.safe_load(QUICKSTART.read_text())
+    job = fake_manifest()
     job["metadata"] = {"name": name, "namespace": NAMESPACE,
                        "labels": {"kueue.x-k8s.io/queue-name": QUEUE, "kueue.x-k8s.io/priority-class": priority}}
     del job["spec"]["training"]["command"]  # the fake train command

@@ -9,10 +9,9 @@ within a bounded time and finish the job without creating any child a second tim
 from __future__ import annotations
 
 import pytest
-import yaml
 from kube_helpers import PodRecorder, wait_until
 from kubernetes import client, config
-from operator_fakes import QUICKSTART, conditions, settings_env
+from operator_fakes import conditions, fake_manifest, settings_env
 
 NS, RELEASE = "ha", "ha"
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
@@ -60,7 +59,7 @@ def test_one_leader_and_a_bounded_handover(dev_cluster, second_node, tmp_path):
         wait_log(core, follower, "waiting for the Lease")
 
         with PodRecorder(core, NS) as seen:
-            job = yaml.safe_load(QUICKSTART.read_text())
+            job = fake_manifest()
             del job["spec"]["training"]["command"]
             jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
             wait_phase(jobs, "Training")

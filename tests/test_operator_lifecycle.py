@@ -13,9 +13,8 @@ import copy
 import time
 
 import pytest
-import yaml
 from kareus_operator.kube import Kube, load_kubeconfig, path
-from operator_fakes import QUICKSTART, STEP_ENERGY_J, conditions, settings_env
+from operator_fakes import STEP_ENERGY_J, conditions, fake_manifest, settings_env
 
 JOBS_API = "kareus.dev/v1alpha1"
 POLICY = {"allowedNamespaces": ["obj", "team-a", "team-b"], "profileReuse": True,
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def fake_job(name: str, namespace: str = "team-a", **spec_changes) -> dict:
-    job = yaml.safe_load(QUICKSTART.read_text())
+    job = fake_manifest()
     job["metadata"] = {"name": name, "namespace": namespace}
     del job["spec"]["training"]["command"]  # the operator's (fake) train command runs instead
     job["spec"].update(spec_changes)

@@ -11,10 +11,9 @@ finalizer) must never use them.
 from __future__ import annotations
 
 import pytest
-import yaml
 from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
-from operator_fakes import QUICKSTART, conditions, settings_env
+from operator_fakes import conditions, fake_manifest, settings_env
 
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
 NAMESPACES = ["no-sa", "quota", "psa", "stale"]
@@ -33,7 +32,7 @@ def api(dev_cluster, tmp_path_factory):
 
 
 def submit(jobs: client.CustomObjectsApi, namespace: str, name: str = "job", overrides: list | None = None) -> dict:
-    job = yaml.safe_load(QUICKSTART.read_text())
+    job = fake_manifest()
     job["metadata"] = {"name": name, "namespace": namespace}
     del job["spec"]["training"]["command"]  # the fake train command
     if overrides:

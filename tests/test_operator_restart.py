@@ -8,10 +8,9 @@ that must pick the job up from what it finds in the cluster.
 from __future__ import annotations
 
 import pytest
-import yaml
 from kube_helpers import PodRecorder, wait_until
 from kubernetes import client, config
-from operator_fakes import QUICKSTART, STEP_ENERGY_J, conditions, settings_env
+from operator_fakes import STEP_ENERGY_J, conditions, fake_manifest, settings_env
 
 NS, RELEASE = "restart", "restart"
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
@@ -39,7 +38,7 @@ def test_operator_killed_in_every_phase_resumes_without_duplicates(dev_cluster, 
     core, jobs = client.CoreV1Api(api), client.CustomObjectsApi(api)
     try:
         with PodRecorder(core, NS) as seen:
-            job = yaml.safe_load(QUICKSTART.read_text())
+            job = fake_manifest()
             del job["spec"]["training"]["command"]
             jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
 

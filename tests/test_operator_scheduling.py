@@ -7,10 +7,9 @@ overrides reach the pods (here a nodeSelector that sends them to that node).
 from __future__ import annotations
 
 import pytest
-import yaml
 from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
-from operator_fakes import QUICKSTART, settings_env
+from operator_fakes import fake_manifest, settings_env
 
 GROUP, VERSION, PLURAL, NS = "kareus.dev", "v1alpha1", "kareusjobs", "sched"
 
@@ -38,7 +37,7 @@ def test_an_unpinned_job_runs_on_a_tainted_node_of_another_product(api, h100_nod
     node = core.read_node(h100_node)
     assert node.metadata.labels["nvidia.com/gpu.product"] == "NVIDIA-H100-SXM5-80GB"
     assert [t.key for t in node.spec.taints or []] == ["nvidia.com/gpu"]
-    job = yaml.safe_load(QUICKSTART.read_text())
+    job = fake_manifest()
     job["metadata"] = {"name": "anygpu", "namespace": NS}
     del job["spec"]["training"]["command"]  # the fake train command
     del job["spec"]["gpu"]  # no product: any GPU node will do

@@ -8,10 +8,9 @@ of the real control plane remove everything.
 from __future__ import annotations
 
 import pytest
-import yaml
 from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
-from operator_fakes import QUICKSTART, settings_env
+from operator_fakes import fake_manifest, settings_env
 
 NS = "bye"
 
@@ -23,7 +22,7 @@ def test_namespaces_with_jobs_delete_after_the_operator_is_uninstalled(dev_clust
                                            settings=settings_env(tmp_path, step_s=1.0, steps=300))
     api = config.new_client_from_config(config_file=str(dev_cluster.kubeconfig))
     core, jobs = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    job = yaml.safe_load(QUICKSTART.read_text())
+    job = fake_manifest()
     job["metadata"] = {"name": "left-behind", "namespace": NS}
     del job["spec"]["training"]["command"]
     jobs.create_namespaced_custom_object("kareus.dev", "v1alpha1", NS, "kareusjobs", job)

@@ -185,25 +185,3 @@ def test_the_agents_series_is_the_workers_energy(tmp_path, monkeypatch):
     assert agent[2].busy_s() == pytest.approx(steps * modelled.time_s, rel=1e-9)
 
 
-async def test_the_emulated_device_plugin_names_the_shared_gpus_to_containers_given_them(tmp_path):
-    """As the NVIDIA container runtime exposes the GPUs `NVIDIA_VISIBLE_DEVICES` names: a container
-    allocated GPUs, or asking for `all` (the node agent), gets the node's device directory; one
-    without GPUs does not."""
-    from kareus_devcluster.kubelet import Container, EmulatedNode, NodeSpec, PodRun
-
-    node = object.__new__(EmulatedNode)  # only what `_environment` reads: no API server, no certificates
-    node.spec, node.root, node.host_root = NodeSpec(name=NODE, gpus=2), tmp_path, tmp_path / "host"
-    node.server, node.extra_env = "https://127.0.0.1:6443", {}
-    run = PodRun("ns", "p", "uid", tmp_path / "sandbox", {"spec": {}})
-
-    async def env_of(spec: dict, gpus: list[str]) -> dict[str, str]:
-        return await node._environment(run, Container(spec, init=False, gpus=gpus))
-
-    trainer = await env_of({"name": "train"}, ["GPU-sim-0-a", "GPU-sim-1-b"])
-    assert trainer["NVIDIA_VISIBLE_DEVICES"] == "GPU-sim-0-a,GPU-sim-1-b"
-    assert trainer["KAREUS_SIM_GPU_DIR"] == str(tmp_path / "host" / "dev" / "kareus-sim-gpu")
-    agent = await env_of({"name": "agent", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}, [])
-    assert agent["KAREUS_SIM_GPU_DIR"] == trainer["KAREUS_SIM_GPU_DIR"]
-    assert "KAREUS_SIM_GPU_DIR" not in await env_of({"name": "cpu"}, [])
-    assert "KAREUS_SIM_GPU_DIR" not in await env_of({"name": "none", "env": [
-        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}, [])

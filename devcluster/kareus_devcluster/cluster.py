@@ -23,32 +23,30 @@ everything it started on Ctrl-C.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kareus.errors import KareusError
+from kareus_devcluster import dns
 from kareus_devcluster.controlplane import (
     REPO_ROOT,
     ControlPlane,
     Started,
-    free_port,
     last_lines,
     stop_process,
 )
-from kareus_devcluster import dns
-from kareus_devcluster.images import node_images
+from kareus_devcluster.images import cache_dir, node_images
 from kareus_devcluster.kueue import DevKueue, quota_objects
-from kareus_devcluster.node import SIM_GPU_DIR, Credentials, NodeSpec, RealNode
+from kareus_devcluster.node import SIM_GPU_DIR, Credentials, NodeSpec, RealNode, image_store
 from kareus_devcluster.prometheus import DevPrometheus, install_monitoring
 
 NODE_NAME = "kareus-dev-node"  # the first node; more are <NODE_NAME>-1, -2, …
@@ -102,6 +100,10 @@ class DevCluster(Started):
         self.nodes: list[RealNode] = []
         self._started_nodes = 0  # node names are never reused: a removed node's may still be known
         self._images: list[tuple[str, Path]] = []
+        self._image_root: Path | None = None
+        # Unix sockets (containerd's, the kubelet's, the device plugin's) live under the nodes' roots, which
+        # the host reaches too: keep those paths short (a socket's path has at most 107 bytes).
+        self._short_root: Path | None = None
         self.want_prometheus = prometheus  # a real Prometheus scraping what the chart's monitors select
         self.prometheus: DevPrometheus | None = None
         self.want_kueue = kueue  # the real Kueue controller, with a ClusterQueue over every GPU
@@ -123,7 +125,9 @@ class DevCluster(Started):
         self.kubeconfig.parent.mkdir(parents=True, exist_ok=True)
         self.kubeconfig.write_text(self.control_plane.admin.kubeconfig.read_text())
         self.kubeconfig.chmod(0o600)
+        self._short_root = Path(tempfile.mkdtemp(prefix="kd-"))
         self._images = node_images()
+        self._image_root = image_store(self._images, cache_dir() / "containerd")
         for index in range(self.node_count):
             self.nodes.append(self._start_node(node_name(index), gpus=self.gpus_per_node, taint=self.taint_gpus))
         if self.taint_gpus:  # the operator tolerates no GPU taint: give it a node, as a real cluster has
@@ -156,6 +160,9 @@ class DevCluster(Started):
         self.nodes = []
         if self.owns_control_plane and self.control_plane is not None:
             self.control_plane.stop()
+        if self._short_root is not None:
+            subprocess.run(["rm", "-rf", "--one-file-system", str(self._short_root)], check=False)
+            self._short_root = None
 
     # ------------------------------------------------------------------ nodes
 
@@ -170,10 +177,16 @@ class DevCluster(Started):
         serving = plane.ca.issue(f"kubelet-{name}", name, server=True, ips=(address.ip,), dns=(name,))
         spec = NodeSpec(name=name, gpus=gpus, gpu_product=product, taint_gpus=taint, max_pods=self.pods_per_node,
                         gpu_uuids=tuple(node_gpu_uuids(name, gpus, product)) if gpus else ())
-        node = RealNode(spec, address, self.workdir / "nodes" / name, binaries=plane.bin, slot=plane.network.slot,
+        assert self._short_root is not None
+        root = self._short_root / name
+        (self.workdir / "nodes").mkdir(parents=True, exist_ok=True)
+        link = self.workdir / "nodes" / name
+        if not link.is_symlink():
+            link.symlink_to(root, target_is_directory=True)
+        node = RealNode(spec, address, root, binaries=plane.bin, slot=plane.network.slot,
                         credentials=Credentials(plane.ca_file, kubelet.kubeconfig, proxy.kubeconfig,
                                                 serving.cert_file, serving.key_file),
-                        images=self._images)
+                        images=self._images, image_root=self._image_root)
         try:
             node.start()
         except BaseException:
@@ -190,14 +203,17 @@ class DevCluster(Started):
         return next(n for n in self.nodes if n.spec.name == name)
 
     def _wait_nodes_ready(self) -> None:
-        names = {node.spec.name for node in self.nodes}
+        gpus = {node.spec.name: node.spec.gpus for node in self.nodes}
 
         def ready() -> bool:
+            """Ready, with the device plugin's GPUs allocatable (registered after the kubelet starts)."""
             assert self.control_plane is not None
             items = self.control_plane.get("/api/v1/nodes")["items"]
             ready_names = {n["metadata"]["name"] for n in items if any(
-                c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))}
-            return names <= ready_names
+                c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+                and int(n["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) == gpus.get(
+                    n["metadata"]["name"], -1)}
+            return set(gpus) <= ready_names
 
         self._wait("the nodes to be Ready", ready)
 
@@ -214,7 +230,6 @@ class DevCluster(Started):
                          "settings": {k.removeprefix("KAREUS_OPERATOR_"): str(v) for k, v in settings.items()},
                          "args": {"watchNamespaces": list(self.watch_namespaces if watch_namespaces is None
                                                           else watch_namespaces),
-                                  "metricsPort": free_port(),
                                   "extra": list(self.operator_args if args is None else args)}},
             "workers": {"namespaces": list(self.worker_namespaces if worker_namespaces is None else worker_namespaces)},
             "nodeAgent": {"enabled": node_agent, "backend": "sim",

@@ -52,11 +52,12 @@ class NodeAddress:
     index: int  # 0 for the first node
     netns: str
     ip: str
-    pod_cidr: str
+    pod_cidr: str | None  # None: a host on the node network that runs no pods (the dev Prometheus)
     veth_host: str
 
     @property
     def pod_gateway(self) -> str:
+        assert self.pod_cidr is not None
         return self.pod_cidr.replace(".0/24", ".1")
 
 
@@ -116,8 +117,9 @@ class ClusterNetwork:
                       check=False).returncode == 0:
                 pass
 
-    def add_node(self, name: str) -> NodeAddress:
-        """A node's namespace on the bridge, with its pod range routed to it from every other node."""
+    def add_node(self, name: str, *, pods: bool = True) -> NodeAddress:
+        """A node's namespace on the bridge, with its pod range routed to it from every other node (without
+        `pods`, a host that only reaches the pods: it routes to every node's range and has none)."""
         assert self.slot is not None, "create() first"
         index = self._next_index
         self._next_index += 1
@@ -125,7 +127,7 @@ class ClusterNetwork:
             raise KareusError("a dev cluster has at most 200 nodes")
         netns = f"kd{self.slot}-{name}"[:64]
         node = NodeAddress(index=index, netns=netns, ip=f"198.18.{self.slot}.{10 + index}",
-                           pod_cidr=f"10.244.{index}.0/24", veth_host=f"kd{self.slot}v{index}")
+                           pod_cidr=f"10.244.{index}.0/24" if pods else None, veth_host=f"kd{self.slot}v{index}")
         run("ip", "netns", "add", netns)
         run("ip", "link", "add", node.veth_host, "type", "veth", "peer", "name", "eth0", "netns", netns)
         run("ip", "link", "set", node.veth_host, "master", self.bridge, "up")
@@ -140,8 +142,10 @@ class ClusterNetwork:
         run("iptables", "-t", "nat", "-A", "POSTROUTING", "-s", POD_CIDR, "-d", f"{self.gateway}/32",
             "-j", "MASQUERADE", netns=netns)
         for other in self.nodes.values():
-            run("ip", "route", "add", other.pod_cidr, "via", other.ip, netns=netns)
-            run("ip", "route", "add", node.pod_cidr, "via", node.ip, netns=other.netns)
+            if other.pod_cidr is not None:
+                run("ip", "route", "add", other.pod_cidr, "via", other.ip, netns=netns)
+            if node.pod_cidr is not None:
+                run("ip", "route", "add", node.pod_cidr, "via", node.ip, netns=other.netns)
         self.nodes[name] = node
         return node
 
@@ -150,7 +154,8 @@ class ClusterNetwork:
         if node is None:
             return
         for other in self.nodes.values():
-            run("ip", "route", "del", node.pod_cidr, netns=other.netns, check=False)
+            if node.pod_cidr is not None:
+                run("ip", "route", "del", node.pod_cidr, netns=other.netns, check=False)
         run("ip", "netns", "delete", node.netns, check=False)
         run("ip", "link", "delete", node.veth_host, check=False)
 

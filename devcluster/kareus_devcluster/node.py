@@ -37,7 +37,7 @@ from kareus_devcluster.network import POD_CIDR, NodeAddress
 CLUSTER_DNS_IP = "10.96.0.10"
 CLUSTER_DOMAIN = "cluster.local"
 CNI_BIN_DIR = "/usr/lib/cni"
-SIM_GPU_DIR = "/var/lib/kareus/sim-gpus"  # on the node: shared by the GPU pods and the node agent
+SIM_GPU_DIR = "/var/lib/kareus-sim-gpus"  # on the node and in its containers: GPU pods and the node agent share it
 CGROUP_V1 = Path("/sys/fs/cgroup")
 STARTUP_TIMEOUT_S = 120.0
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -90,9 +90,11 @@ class RealNode:
     """`start()` brings the node up (its processes, the images imported); `stop()` removes every trace."""
 
     def __init__(self, spec: NodeSpec, address: NodeAddress, root: Path, *, binaries: Path,
-                 credentials: Credentials, images: Sequence[tuple[str, Path]], slot: int) -> None:
+                 credentials: Credentials, images: Sequence[tuple[str, Path]], slot: int,
+                 image_root: Path | None = None) -> None:
         self.spec, self.address, self.root = spec, address, root
         self.bin, self.credentials, self.images = binaries, credentials, list(images)
+        self.image_root = image_root  # a containerd root with the images unpacked (`image_store`)
         self.cgroup_root = f"/kd{slot}-{spec.name}"
         self.processes: dict[str, subprocess.Popen] = {}
         self.holder: subprocess.Popen | None = None
@@ -130,6 +132,8 @@ class RealNode:
         self._make_cgroup_root()
         self._write_configs()
         self._start_holder()
+        if self.image_root is not None:
+            seed_containerd_root(self.image_root, self.host_path("/var/lib/containerd"))
         self._spawn("containerd", ["containerd", "--config", str(self.root / "config/containerd.toml")])
         self._wait("containerd's socket", lambda: self.containerd_socket.exists())
         self._import_images()
@@ -303,15 +307,14 @@ class RealNode:
                                   f"{result.stderr.strip()[-500:]}")
 
     def _start_device_plugin(self) -> None:
-        """The device plugin runs on the host's side of the node's directories: its socket dir and the
-        simulated GPUs' directory are the node's."""
+        """The device plugin runs on the node, as the NVIDIA device plugin's DaemonSet pod does (host
+        paths): its socket beside the kubelet's, the simulated GPUs' directory the node's."""
         args = [sys.executable, "-m", "kareus_devcluster.deviceplugin",
-                "--plugin-dir", str(self.host_path("/var/lib/kubelet/device-plugins")),
-                "--resource", GPU_RESOURCE, "--sim-gpu-dir", str(self.sim_gpu_dir)]
+                "--plugin-dir", "/var/lib/kubelet/device-plugins", "--resource", GPU_RESOURCE,
+                "--sim-gpu-dir", SIM_GPU_DIR, "--container-sim-gpu-dir", SIM_GPU_DIR]
         for uuid in self.spec.gpu_uuids:
             args += ["--uuid", uuid]
-        plugin = self._spawn("device-plugin", args, inside=False, stdout=subprocess.PIPE)
-        assert plugin.stdout is not None
+        plugin = self._spawn("device-plugin", args, stdout=subprocess.PIPE)
         self._wait_line(plugin, "ready")
 
     def _wait_line(self, process: subprocess.Popen, expected: str) -> None:
@@ -360,6 +363,71 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     bin_dir = "/usr/lib/cni"
     conf_dir = "/etc/cni/net.d"
 """
+
+
+METADATA_DBS = ("io.containerd.metadata.v1.bolt/meta.db", "io.containerd.snapshotter.v1.overlayfs/metadata.db")
+
+
+def image_store(images: Sequence[tuple[str, Path]], cache: Path) -> Path:
+    """A containerd root with every image imported and unpacked, kept between runs and brought up to date
+    by importing only the archives it has not seen (layers it holds already are neither written nor
+    unpacked again: a change of code rewrites the runtime image's last, small layer only).
+
+    Importing the runtime image (several GB: the pinned torch) into every node's containerd took minutes
+    a node; a node instead starts from hard links to this store (`seed_containerd_root`).
+    """
+    store = cache / "store"
+    wanted = "".join(f"{ref} {archive}\n" for ref, archive in images)
+    done = store / "imported"
+    if done.exists() and done.read_text() == wanted:
+        return store / "root"
+    (store / "root").mkdir(parents=True, exist_ok=True)
+    done.unlink(missing_ok=True)  # while it changes, the store is no node's seed
+    state = Path("/run/kareus-dev/image-store")
+    subprocess.run(["rm", "-rf", str(state)], check=False)
+    config = store / "containerd.toml"
+    config.write_text(CONTAINERD_CONFIG.replace('root = "/var/lib/containerd"', f'root = "{store / "root"}"')
+                      .replace('state = "/run/containerd"', f'state = "{state}"')
+                      .replace('address = "/run/containerd/containerd.sock"', f'address = "{state}/c.sock"'))
+    log = open(store / "containerd.log", "ab")  # noqa: SIM115  (owned by the process)
+    # A private mount namespace: the snapshotter's temporary mounts while unpacking stay in it.
+    daemon = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "containerd", "--config", str(config)],
+                              stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    ctr = ["ctr", "--address", str(state / "c.sock"), "--namespace", "k8s.io"]
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (state / "c.sock").exists():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise KareusError(f"the image store's containerd did not start: {store / 'containerd.log'}")
+            time.sleep(0.2)
+        for reference, archive in images:
+            result = subprocess.run([*ctr, "images", "import", str(archive)], capture_output=True, text=True,
+                                    check=False)
+            if result.returncode != 0:
+                raise KareusError(f"importing {reference} from {archive} failed: {result.stderr.strip()[-500:]}")
+        # What older archives left behind (no image refers to it any more) goes: a synchronous GC.
+        subprocess.run([*ctr, "content", "prune", "references"], capture_output=True, check=False)
+    finally:
+        _terminate(daemon, grace_s=30.0)
+        subprocess.run(["rm", "-rf", str(state)], check=False)
+    done.write_text(wanted)
+    return store / "root"
+
+
+def seed_containerd_root(store: Path, root: Path) -> None:
+    """A node's containerd root as hard links into the image store: image layers and unpacked snapshots
+    are never written in place (overlayfs only reads its lower directories), so they can be shared; the
+    two metadata databases, which containerd writes, are copies."""
+    if (root / METADATA_DBS[0]).exists():
+        return  # already seeded (a restarted node keeps its own)
+    root.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["cp", "-al", f"{store}/.", f"{root}/"], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise KareusError(f"seeding {root} from the image store failed: {result.stderr.strip()[-300:]}")
+    for db in METADATA_DBS:
+        (root / db).unlink()
+        subprocess.run(["cp", "-a", str(store / db), str(root / db)], check=True)
 
 
 def _v1_hierarchies() -> list[Path]:

@@ -35,6 +35,7 @@ the cluster's workdir) and waits for `/-/ready`; `refresh()` re-reads the monito
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -56,7 +57,6 @@ from kareus.errors import KareusError
 from kareus_devcluster.controlplane import (
     ControlPlane,
     Started,
-    free_port,
     last_lines,
     stop_process,
 )
@@ -405,13 +405,17 @@ class PodDiscovery:
 # ---------------------------------------------------------------- the process
 
 
+_hosts = itertools.count()
+
+
 class DevPrometheus(Started):
     """Prometheus for a running control plane; see the module docstring."""
 
     def __init__(self, workdir: str | Path, control_plane: ControlPlane, *, port: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.control_plane = control_plane
-        self.port = port or free_port()
+        self.port = port or 9090
+        self.host = None  # its place on the node network (`start`): the pods' addresses are routed there only
         self.process: subprocess.Popen | None = None
         self.config_file = self.workdir / "prometheus.yml"
         self.rules_dir = self.workdir / "rules"
@@ -420,7 +424,8 @@ class DevPrometheus(Started):
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        assert self.host is not None, "start() first"
+        return f"http://{self.host.ip}:{self.port}"
 
     # ------------------------------------------------------------------ configuration
 
@@ -471,10 +476,12 @@ class DevPrometheus(Started):
         self.discovery = PodDiscovery(plane.url, plane.ca_file, identity.pair.cert_file, identity.pair.key_file,
                                       self.targets_file)
         self.discovery.start()
+        self.host = plane.network.add_node(f"prometheus-{next(_hosts)}", pods=False)
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                [binary, f"--config.file={self.config_file}", f"--storage.tsdb.path={self.workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
+                ["nsenter", f"--net=/run/netns/{self.host.netns}", binary, f"--config.file={self.config_file}",
+                 f"--storage.tsdb.path={self.workdir / 'data'}",
+                 f"--web.listen-address={self.host.ip}:{self.port}", "--web.enable-lifecycle",
                  # Nothing is kept beyond a dev session; an hour-long session fits easily.
                  "--storage.tsdb.retention.time=1d", "--log.level=warn"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -505,6 +512,11 @@ class DevPrometheus(Started):
         if self.discovery is not None:
             self.discovery.stop()
             self.discovery = None
+        if self.host is not None:
+            for name, address in list(self.control_plane.network.nodes.items()):
+                if address == self.host:
+                    self.control_plane.network.remove_node(name)
+            self.host = None
 
     # ------------------------------------------------------------------ queries
 

@@ -31,6 +31,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeatable)")
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     run.add_argument("--metrics-address", default="127.0.0.1")
+    run.add_argument("--health-port", type=int,
+                     help="serve /healthz and /readyz (the kubelet's probes) on this port (default: none)")
+    run.add_argument("--health-address", default="127.0.0.1")
     run.add_argument("--verbose", action="store_true")
     run.set_defaults(func=_run)
     publish.register(commands)
@@ -76,6 +79,11 @@ def _run(args: argparse.Namespace) -> int:
 
                 server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=controller.metrics.registry)
                 print(f"metrics on http://{args.metrics_address}:{server.server_port}/metrics", flush=True)
+            health = None
+            if args.health_port is not None:
+                from kareus_operator import health as health_endpoints
+
+                health = await health_endpoints.serve(kube, args.health_address, args.health_port)
             elector = _elector(kube, settings)
             lost = asyncio.Event()
             if elector is not None:
@@ -85,6 +93,8 @@ def _run(args: argparse.Namespace) -> int:
                 stopping.cancel()
                 if not acquiring.done():  # asked to stop while waiting for the Lease
                     acquiring.cancel()
+                    if health is not None:
+                        await health.cleanup()
                     return 0
             controller.power.namespaces = tuple(namespaces)
             tasks = [asyncio.create_task(controller.resync_forever(namespaces)),
@@ -100,6 +110,8 @@ def _run(args: argparse.Namespace) -> int:
                     task.cancel()
                 if elector is not None and not lost.is_set():
                     await elector.release()
+                if health is not None:
+                    await health.cleanup()
         return 1 if lost.is_set() else 0  # a lost Lease: exit, so the pod restarts as a candidate
 
     return asyncio.run(main())

@@ -127,6 +127,8 @@ ConfigMaps it owns (the policy ConfigMap is read through the same rule), and the
 {{- end }}
 - --metrics-port={{ $args.metricsPort }}
 - --metrics-address=$(POD_IP)
+- --health-port={{ $args.healthPort }}
+- --health-address=$(POD_IP)
 {{- if $args.verbose }}
 - --verbose
 {{- end }}
@@ -178,6 +180,9 @@ clockBounds:
 {{- if eq $agent.backend "sim" }}
 - --sim-gpus={{ $agent.sim.gpus }}
 - --sim-product={{ $agent.sim.product }}
+{{- with $agent.sim.deviceDir }}
+- --sim-device-dir={{ . }}
+{{- end }}
 {{- end }}
 - --config=/etc/kareus-node/config.yaml
 - --socket={{ include "kareus.nodeAgent.socketPath" . }}
