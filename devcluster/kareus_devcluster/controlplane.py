@@ -39,13 +39,12 @@ from typing import Any
 import yaml
 
 from kareus.errors import KareusError
-from kareus_devcluster.network import ClusterNetwork
+from kareus_devcluster.network import SERVICE_CIDR, ClusterNetwork
 from kareus_devcluster.pki import Authority, KeyPair, service_account_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KUBE_MODULE = REPO_ROOT / "tools" / "kube"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy")
-SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service's cluster IP: first of the range
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMISSION_PLUGINS = ("NodeRestriction", "OwnerReferencesPermissionEnforcement")  # on top of the defaults

@@ -27,6 +27,7 @@ from pathlib import Path
 from kareus.errors import KareusError
 
 POD_CIDR = "10.244.0.0/16"
+SERVICE_CIDR = "10.96.0.0/16"
 SLOTS = range(1, 200)
 LOCK_DIR = Path("/run/kareus-dev")
 
@@ -134,6 +135,9 @@ class ClusterNetwork:
         run("ip", "link", "set", "lo", "up", netns=netns)
         run("ip", "addr", "add", f"{node.ip}/24", "dev", "eth0", netns=netns)
         run("ip", "link", "set", "eth0", "up", netns=netns)
+        # A node's own processes (hostNetwork pods such as the node agent) reach ClusterIPs too: kube-proxy
+        # rewrites them after the routing decision, which needs a route (nodes have no default route).
+        run("ip", "route", "add", SERVICE_CIDR, "dev", "eth0", netns=netns)
         sysctl(netns, "net.ipv4.ip_forward", "1")
         sysctl(netns, "net.bridge.bridge-nf-call-iptables", "1")
         sysctl(netns, "net.ipv4.conf.all.route_localnet", "1")

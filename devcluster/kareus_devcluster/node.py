@@ -127,6 +127,9 @@ class RealNode:
         for directory in ("var/lib/kubelet", "var/lib/containerd", "var/log", "var/lib/cni", "run",
                           "etc/cni/net.d", "config", "logs", SIM_GPU_DIR.lstrip("/")):
             (self.root / directory).mkdir(parents=True, exist_ok=True)
+        # Pods of any user account on the simulated GPUs (their state files are replaced by rename): no
+        # sticky bit, writable by all, as the device plugin makes it.
+        self.sim_gpu_dir.chmod(0o777)
         (self.root / "var/run").unlink(missing_ok=True)
         (self.root / "var/run").symlink_to("/run")
         self._make_cgroup_root()
