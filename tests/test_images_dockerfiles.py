@@ -88,12 +88,48 @@ def test_versions_are_build_args_and_every_from_uses_them(name):
 @pytest.mark.parametrize("name", sorted(EXTRAS))
 def test_each_image_installs_only_its_extra(name):
     runs = " ".join(i.args for i in DOCKERFILES[name] if i.keyword == "RUN")
-    installs = re.findall(r"pip install ([^&;]+)", runs)
-    assert len(installs) == 1, installs
-    assert re.findall(r"\.\[([\w,-]+)\]", installs[0]) == [EXTRAS[name]]
-    assert "torch" not in installs[0] and "nvidia" not in installs[0]
+    installs = [i for i in re.findall(r"pip install ([^&;]+)", runs)]
+    extras = [e for i in installs for e in re.findall(r"\.\[([\w,-]+)\]", i)]
+    assert extras == [EXTRAS[name]], installs
+    assert not any("nvidia" in i for i in installs)
     if name != "runtime.Dockerfile":
+        assert len(installs) == 1 and "torch" not in installs[0]
         assert "find_spec('torch') is not None" in runs  # the build fails if torch sneaks in
+
+
+def test_the_runtime_image_carries_exactly_the_pinned_torch_and_checks_itself():
+    """torch from requirements/torch.txt (the one pin `make install` uses too), in a layer before the
+    code; the extra resolved against that pin; at build time the entrypoint starts, torch is the pinned
+    version and `new_group` takes `device_id` (torch >= 2.6)."""
+    pin = (ROOT / "requirements" / "torch.txt").read_text()
+    assert re.search(r"^torch==\d+\.\d+\.\d+$", pin, re.MULTILINE)
+    assert "-r $(TORCH_PIN)" in (ROOT / "Makefile").read_text() and "TORCH_PIN := requirements/torch.txt" in (
+        ROOT / "Makefile").read_text()
+    instructions = DOCKERFILES["runtime.Dockerfile"]
+    runs = [i.args for i in instructions if i.keyword == "RUN"]
+    installs = [re.findall(r"pip install ([^&;]+)", run) for run in runs]
+    assert [i.strip() for i in installs[0]] == ["--no-compile -r requirements/torch.txt"]
+    assert any("-c requirements/torch.txt \".[train]\"" in i for i in installs[1])
+    assert any("--no-deps ." in i for i in installs[2])
+    checks = runs[2]
+    assert "kareus --help" in checks and "requirements/torch.txt" in checks and "'device_id'" in checks
+    keywords = [(i.keyword, i.args.split()[0]) for i in instructions if i.keyword in ("COPY", "RUN")]
+    assert keywords.index(("COPY", "requirements/torch.txt")) < keywords.index(("COPY", "kareus"))
+
+
+def test_images_run_as_the_users_the_pods_ask_for():
+    """runAsUser of the pods the chart and the operator create is each image's USER, and that user exists."""
+    from kareus_operator import manifests
+
+    values = yaml.safe_load((ROOT / "helm" / "kareus" / "values.yaml").read_text())
+    operator_pod = values["operator"]["podSecurityContext"]
+    assert user_of("operator.Dockerfile") == f"{operator_pod['runAsUser']}:{operator_pod['runAsGroup']}"
+    worker = manifests._RESTRICTED_POD
+    assert user_of("runtime.Dockerfile") == f"{worker['runAsUser']}:{worker['runAsGroup']}"
+    for name in ("operator.Dockerfile", "runtime.Dockerfile"):
+        uid = user_of(name).split(":")[0]
+        runs = " ".join(i.args for i in final_stage(DOCKERFILES[name]) if i.keyword == "RUN")
+        assert f":x:{uid}:" in runs  # an /etc/passwd entry: getpass and kopf look the uid up
 
 
 def user_of(name: str) -> str:
@@ -197,7 +233,7 @@ def test_context_holds_the_sources_and_nothing_else():
     files = context_files()
     tops = {f.split("/")[0] for f in files}
     assert {"pyproject.toml", "kareus", "operator", "node_daemon"} <= tops
-    assert tops <= {"pyproject.toml", "README.md", "LICENSE", "kareus", "operator", "node_daemon"}
+    assert tops <= {"pyproject.toml", "README.md", "LICENSE", "kareus", "operator", "node_daemon", "requirements"}
     assert "kareus/policy.py" in files and "node_daemon/kareus_node/main.py" in files
     assert not any("__pycache__" in f or f.endswith(".pyc") for f in files)
     for name, instructions in DOCKERFILES.items():

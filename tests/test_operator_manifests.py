@@ -60,7 +60,8 @@ def test_profile_job_requests_the_gpus_and_publishes_an_unowned_cache_entry():
     assert command[command.index("--") + 1:] == ["kareus", "profile", "/etc/kareus/job/job.yaml", "--backend",
                                                  "auto", "--out", "/var/kareus/out/profile.json", "--require-gpu"]
     pod = child["spec"]["template"]["spec"]
-    assert pod["restartPolicy"] == "Never" and container(child)["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["restartPolicy"] == "Never" and container(child)["resources"] == {
+        "requests": {"memory": "8Gi"}, "limits": {"nvidia.com/gpu": "2", "memory": "64Gi"}}  # Burstable
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"}  # the quickstart pins it
     assert child["spec"]["suspend"] is True  # queued: Kueue admits it
@@ -162,7 +163,8 @@ def test_pod_template_overrides_merge_by_role():
     c = pod["containers"][0]
     assert c["volumeMounts"][-1] == {"name": "data", "mountPath": "/data", "readOnly": True}
     assert c["env"][-1] == {"name": "HF_HOME", "value": "/data/hf"}
-    assert c["resources"] == {"limits": {"nvidia.com/gpu": "2"}, "requests": {"cpu": "8", "memory": "64Gi"}}
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": "2", "memory": "64Gi"},
+                              "requests": {"cpu": "8", "memory": "64Gi"}}
     profile = mf.profile_job(job, spec, Settings(), "k")["spec"]["template"]["spec"]
     assert profile["imagePullSecrets"] == [{"name": "registry"}] and "priorityClassName" not in profile
     assert "imagePullSecrets" not in mf.optimize_job(job, spec, Settings(), "k")["spec"]["template"]["spec"]
@@ -316,3 +318,25 @@ def test_the_rendezvous_timeout_reaches_kareus_train_and_torchrun():
     for raw in ("0", "-5", "ten minutes", "nan", "inf"):
         with pytest.raises(KareusError, match="KAREUS_OPERATOR_RENDEZVOUS_TIMEOUT_S: must be a positive number"):
             Settings.from_env({"KAREUS_OPERATOR_RENDEZVOUS_TIMEOUT_S": raw})
+
+
+def test_every_pod_has_a_read_only_root_and_gpu_pods_memory_that_holds_their_shm():
+    job = job_body()
+    spec = spec_of(job)
+    for child in (mf.profile_job(job, spec, Settings(), "k"), mf.optimize_job(job, spec, Settings(), "k"),
+                  mf.train_job(job, spec, Settings())):
+        pod = child["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert {v["name"]: v for v in pod["volumes"]}[mounts["/tmp"]] == {"name": "tmp", "emptyDir": {}}
+    settings = Settings.from_env({"KAREUS_OPERATOR_SHM_SIZE": "1Gi", "KAREUS_OPERATOR_GPU_POD_MEMORY_REQUEST": "256Mi",
+                                  "KAREUS_OPERATOR_GPU_POD_MEMORY_LIMIT": "6Gi"})
+    c = mf.train_job(job, spec, settings)["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"] == {"requests": {"memory": "256Mi"}, "limits": {"nvidia.com/gpu": "2", "memory": "6Gi"}}
+    with pytest.raises(KareusError, match="GPU_POD_MEMORY_LIMIT: must exceed KAREUS_OPERATOR_SHM_SIZE"):
+        Settings.from_env({"KAREUS_OPERATOR_SHM_SIZE": "16Gi", "KAREUS_OPERATOR_GPU_POD_MEMORY_LIMIT": "16Gi"})
+    with pytest.raises(KareusError, match="GPU_POD_MEMORY_REQUEST: must be at most the limit"):
+        Settings.from_env({"KAREUS_OPERATOR_GPU_POD_MEMORY_REQUEST": "65Gi"})
+    with pytest.raises(KareusError, match="SHM_SIZE: must be a positive memory quantity"):
+        Settings.from_env({"KAREUS_OPERATOR_SHM_SIZE": "lots"})

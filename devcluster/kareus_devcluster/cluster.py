@@ -231,7 +231,9 @@ class DevCluster(Started):
                          "args": {"watchNamespaces": list(self.watch_namespaces if watch_namespaces is None
                                                           else watch_namespaces),
                                   "extra": list(self.operator_args if args is None else args)}},
-            "workers": {"namespaces": list(self.worker_namespaces if worker_namespaces is None else worker_namespaces)},
+            "workers": {"namespaces": list(self.worker_namespaces if worker_namespaces is None else worker_namespaces),
+                        # What a user with small nodes sets: many jobs' pods share this machine's memory.
+                        "gpuPods": {"shmSize": "1Gi", "memoryRequest": "256Mi", "memoryLimit": "6Gi"}},
             "nodeAgent": {"enabled": node_agent, "backend": "sim",
                           "sim": {"gpus": max(self.gpus_per_node, 1), "product": self.gpu_product,
                                   "deviceDir": SIM_GPU_DIR}},

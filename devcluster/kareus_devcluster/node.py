@@ -100,6 +100,10 @@ class RealNode:
         self.holder: subprocess.Popen | None = None
         self.log_dir = root / "logs"
 
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
     # ------------------------------------------------------------------ paths as the host sees them
 
     def host_path(self, node_path: str) -> Path:

@@ -100,9 +100,16 @@ def run(args: argparse.Namespace) -> int:
         overrides["steps"] = args.steps
     if plan is not None:
         overrides["plan_labels"] = {"method": plan.method, "objective": ",".join(sorted(plan.objective))}
+    from kareus.runtime import stopping
+
+    if "WORLD_SIZE" in os.environ:  # one rank of torchrun's: SIGTERM stops it after its step, with its peers
+        stopping.on_sigterm()
     result = train(job, plan, schedule_mode=args.schedule, nproc=args.nproc, **overrides)
     if int(os.environ.get("RANK", "0")) == 0:
         _print_summary(result, args.json)
+    if result.stopped_early:
+        print(f"kareus train: stopped by SIGTERM after {len(result.losses)} of the job's steps", file=sys.stderr)
+        return stopping.EXIT_CODE  # retryable: the pod failure policy counts it, never fails the job on it
     return 0
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kareus.errors import KareusError
+from kareus.runtime import stopping
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,12 @@ def spawn_local(nproc: int, fn: Callable, *args, nodes: NodeGroup | None = None)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="kareus-spawn-") as tmp:
         try:
-            mp.spawn(_spawned, args=(nproc, nodes, tmp, fn, args), nprocs=nproc, join=True)
+            context = mp.start_processes(_spawned, args=(nproc, nodes, tmp, fn, args), nprocs=nproc, join=False,
+                                         start_method="spawn")
+            # The pod's SIGTERM (through PID 1) reaches every rank, which stops after its step.
+            stopping.forward_to(lambda: [p.pid for p in context.processes if p.pid is not None])
+            while not context.join():
+                pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException):
             # A user-caused error in a rank reaches the user as that one line, not a traceback.
             messages = sorted(Path(tmp).glob("error-*.txt"))
@@ -227,6 +233,7 @@ def _spawned(local_rank: int, nproc: int, nodes: NodeGroup, tmp: str, fn: Callab
     for var in ("RANK", "WORLD_SIZE"):
         os.environ.pop(var, None)
     os.environ["LOCAL_RANK"] = str(local_rank)
+    stopping.on_sigterm()
     torch.set_num_threads(1)
     world = nodes.nnodes * nproc
     rank = nodes.node_rank * nproc + local_rank

@@ -25,6 +25,7 @@ import functools
 import logging
 import os
 import pickle
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from kareus.daemon_client import ClockClient, DaemonConnection, DaemonError, NullClockClient, connect
 from kareus.errors import KareusError
 from kareus.plan import plan_at_row
+from kareus.runtime import stopping
 from kareus.runtime.clocking import CudaProgress, HostProgress
 from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, load_tokens
@@ -187,6 +189,7 @@ class TrainResult:
     frontier_rows: tuple[int | None, ...] = ()  # per step: the frontier row this rank's replica ran
     straggler_decisions: tuple[Decision, ...] = ()  # the re-selections, as every rank decided them
     cpu_proxy: bool = False  # the processes trained spec.training.cpuProxy (a CPU run), not the job's model
+    stopped_early: bool = False  # a SIGTERM stopped every rank after the last step here
 
 
 def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
@@ -236,6 +239,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     optimizer = _optimizer(config, model)
     outputs = _Outputs(ctx, config, schedule)
     records: list[StepRecord] = []
+    stopped_early = False
     if meter:
         meter.lap_j()  # count from the first step, not from start-up
     try:
@@ -278,6 +282,11 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             if decision is not None:  # every rank decided the same: the replicas switch before the next step
                 running.reselect(ctx, decision, executor, outputs, (tp, cp))
                 decisions.append(decision)
+            if stopping.stop_now(distributed=ctx.distributed):
+                print(f"rank {ctx.rank}: stopping after step {step} of {config.steps} (SIGTERM)", file=sys.stderr,
+                      flush=True)
+                stopped_early = step + 1 < config.steps
+                break
     finally:
         outputs.close()
         follower.close()
@@ -287,7 +296,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                          records[-1].modelled_time_s if records else None, tuple(follower.log), config.out_dir,
                          outputs.metrics_port, tuple(r.plan_revision for r in records),
                          tuple(r.clock_control for r in records), tuple(running.rows_run),
-                         tuple(decisions), trained.proxy)
+                         tuple(decisions), trained.proxy, stopped_early)
     return result, (model if keep_model else None)
 
 
@@ -542,11 +551,14 @@ def _reduce_step(ctx: DistContext, local_loss: float, elapsed: float, gpu_j: flo
     world = ctx.layout.world_size
     sums = torch.tensor([local_loss if counts_loss else 0.0, gpu_j], dtype=torch.float64)
     # MAX over ranks: the slowest time, the worst clock-control state, the lowest degraded rank
-    worst = torch.tensor([elapsed, code, world - ctx.rank if code == 2 else 0], dtype=torch.float64)
+    worst = torch.tensor([elapsed, code, world - ctx.rank if code == 2 else 0, float(stopping.requested())],
+                         dtype=torch.float64)
     if ctx.device.type == "cuda":
         sums, worst = sums.to(ctx.device), worst.to(ctx.device)
     dist.all_reduce(sums)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if worst[3] > 0:
+        stopping.agreed()  # one rank was asked to stop: every rank stops after this step
     code, reason = int(worst[1]), ""
     if code == 2:
         src = world - int(worst[2])

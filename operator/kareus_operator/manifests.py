@@ -201,8 +201,10 @@ Volume = tuple[str, dict[str, Any], str]  # (name, volume source, mount path)
 
 _RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
                    "seccompProfile": {"type": "RuntimeDefault"}}
+# A read-only root filesystem too: Kareus writes only to its mounted directories (/out, /tmp, /dev/shm).
 _RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-                         "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+                         "runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                         "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def _pod_template(job: Mapping[str, Any], spec: JobSpec, role: str, image: str, command: list[str],
@@ -212,7 +214,9 @@ def _pod_template(job: Mapping[str, Any], spec: JobSpec, role: str, image: str, 
     gets a memory-backed /dev/shm for NCCL and a token for the node daemon. Every pod carries the
     settings' image pull secrets; `pull_policy` (empty: Kubernetes' default) is its image's."""
     all_volumes = [("job", {"configMap": {"name": spec_configmap_name(job["metadata"]["name"])}}, MOUNT_JOB),
-                   ("out", {"emptyDir": {}}, MOUNT_OUT), *volumes]
+                   ("out", {"emptyDir": {}}, MOUNT_OUT),
+                   # HOME and every cache (torch, Triton, matplotlib) of the runtime image live here.
+                   ("tmp", {"emptyDir": {}}, "/tmp"), *volumes]
     pod_env: list[dict[str, Any]] = [
         {"name": "KAREUS_JOB_NAME", "value": job["metadata"]["name"]},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -234,7 +238,9 @@ def _pod_template(job: Mapping[str, Any], spec: JobSpec, role: str, image: str, 
         pod_env += [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
                     {"name": "KAREUS_DAEMON_ADDRESS", "value": f"$(HOST_IP):{settings.node_daemon_port}"},
                     {"name": "KAREUS_DAEMON_TOKEN_FILE", "value": f"{DAEMON_TOKEN_DIR}/token"}]
-        container["resources"] = {"limits": {GPU_RESOURCE: str(gpus)}}
+        # Burstable: memory requested and limited (the limit holds the memory-backed /dev/shm).
+        container["resources"] = {"requests": {"memory": settings.gpu_pod_memory_request},
+                                  "limits": {GPU_RESOURCE: str(gpus), "memory": settings.gpu_pod_memory_limit}}
         pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
         if spec.gpu_pinned:
             pod_spec["nodeSelector"] = {GPU_PRODUCT_LABEL: gpu_node_label(spec.gpu_product)}

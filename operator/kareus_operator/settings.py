@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
 
@@ -65,6 +66,10 @@ class Settings:
     # /dev/shm of GPU pods: a memory-backed emptyDir (NCCL's shared-memory transport needs far
     # more than a container runtime's default 64 MiB with several ranks per node).
     shm_size: str = "16Gi"
+    # Memory of each GPU pod (profiling and training): requested and limited, so the pod is Burstable and
+    # the kernel, not an eviction, bounds it. The limit must exceed shm_size: /dev/shm is charged to it.
+    gpu_pod_memory_request: str = "8Gi"
+    gpu_pod_memory_limit: str = "64Gi"
     service_account: str = "kareus-worker"
     # How long a training pod waits for every node of its job at the rendezvous: `kareus train` reads
     # KAREUS_RENDEZVOUS_TIMEOUT_S, torchrun PET_RDZV_CONF (timeout=, join_timeout=).
@@ -93,7 +98,35 @@ class Settings:
             if raw is None:
                 continue
             values[name] = _parse(name, raw, default.default if default.default is not MISSING else default.default_factory())
-        return cls(**values)
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Cross-field rules: the GPU pods' memory holds their /dev/shm."""
+        shm, request = memory_bytes("shm_size", self.shm_size), memory_bytes("gpu_pod_memory_request",
+                                                                              self.gpu_pod_memory_request)
+        limit = memory_bytes("gpu_pod_memory_limit", self.gpu_pod_memory_limit)
+        if limit <= shm:
+            raise KareusError(f"KAREUS_OPERATOR_GPU_POD_MEMORY_LIMIT: must exceed KAREUS_OPERATOR_SHM_SIZE "
+                              f"({self.shm_size}), since /dev/shm counts against it; got {self.gpu_pod_memory_limit}")
+        if request > limit:
+            raise KareusError(f"KAREUS_OPERATOR_GPU_POD_MEMORY_REQUEST: must be at most the limit "
+                              f"({self.gpu_pod_memory_limit}), got {self.gpu_pod_memory_request}")
+
+
+_MEMORY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_FACTORS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def memory_bytes(name: str, quantity: str) -> float:
+    """A Kubernetes memory quantity (`512Mi`, `16Gi`, `1G`) in bytes; a bad one names its setting."""
+    match = _MEMORY.match(quantity)
+    if match is None or float(match.group(1)) <= 0:
+        raise KareusError(f"KAREUS_OPERATOR_{name.upper()}: must be a positive memory quantity such as 512Mi "
+                          f"or 16Gi, got {quantity!r}")
+    return float(match.group(1)) * _FACTORS[match.group(2)]
 
 
 def _parse(name: str, raw: str, default: object) -> object:

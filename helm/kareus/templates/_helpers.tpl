@@ -253,6 +253,12 @@ kareus.dev/job-name
   value: {{ include "kareus.workers.imagePullSecretNames" . | quote }}
 - name: KAREUS_OPERATOR_RENDEZVOUS_TIMEOUT_S
   value: {{ .Values.workers.rendezvousTimeoutSeconds | quote }}
+- name: KAREUS_OPERATOR_SHM_SIZE
+  value: {{ .Values.workers.gpuPods.shmSize | quote }}
+- name: KAREUS_OPERATOR_GPU_POD_MEMORY_REQUEST
+  value: {{ .Values.workers.gpuPods.memoryRequest | quote }}
+- name: KAREUS_OPERATOR_GPU_POD_MEMORY_LIMIT
+  value: {{ .Values.workers.gpuPods.memoryLimit | quote }}
 - name: KAREUS_OPERATOR_POLICY_CONFIGMAP
   value: {{ include "kareus.policy.configMapName" . | quote }}
 - name: KAREUS_OPERATOR_POLICY_NAMESPACE
