@@ -1,14 +1,17 @@
-"""`kareus dev-cluster`: a real Kubernetes control plane on this machine, with Kareus installed.
+"""`kareus dev-cluster`: a real Kubernetes cluster on this machine, with Kareus installed. Run it as root.
 
 It starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler of the pinned release
-(`make kube` builds them; KAREUS_KUBE_BIN or KUBEBUILDER_ASSETS name prebuilt ones), one or more
-emulated GPU nodes (kubelet stand-ins that run pods as local processes and advertise simulated
-GPUs), and the Helm chart — the CRD, RBAC, the operator Deployment and the node agent DaemonSet —
+(`make kube` builds them; KAREUS_KUBE_BIN or KUBEBUILDER_ASSETS name prebuilt ones); one or more
+nodes, each in its own network and mount namespace: the upstream kubelet with containerd and runc,
+kube-proxy, and a device plugin that advertises simulated GPUs (`make images` builds the images they
+run); CoreDNS; the Helm chart — the CRD, RBAC, the operator Deployment and the node agent DaemonSet —
 and a real Prometheus (Debian's package) that scrapes what the chart's ServiceMonitors and
-PodMonitors select and evaluates its alerts; then writes an admin kubeconfig, prints the API and
+PodMonitors select and evaluates its alerts. Then it writes an admin kubeconfig, prints the API and
 Prometheus URLs (open `<prometheus>/graph` for the live series) and `ready`. Ctrl-C stops
 everything it started.
-Everything listens on 127.0.0.1 only. docs/operator.md says exactly what the nodes emulate.
+The API server listens on the host's address on the node network, 198.18.k.1 (a bridge on
+198.18.k.0/24, RFC 2544's test range); nothing is routed off the machine. Only the GPU is simulated;
+docs/operator.md says exactly what runs.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kubeconfig", required=True, type=Path, help="where to write the admin kubeconfig")
     parser.add_argument("--workdir", type=Path, help="control-plane data, nodes' pods and logs (default: a temporary directory)")
-    parser.add_argument("--nodes", type=int, default=1, metavar="N", help="emulated GPU nodes (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="nvidia.com/gpu per node (default 8)")
     parser.add_argument("--gpu-product", default="A100-SXM4-40GB", help="simulated GPU model (default A100-SXM4-40GB)")
     parser.add_argument("--taint-gpu-nodes", action="store_true", help="taint the nodes nvidia.com/gpu:NoSchedule")
