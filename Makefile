@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # too); on machines that ship it on disk pip takes that file.
 TORCH_PIN := requirements/torch.txt
 
-.PHONY: install kube kueue prometheus images test run lint bench clean
+.PHONY: install kube kueue packages prometheus images test-deps test run lint bench clean
 
 $(STAMP): pyproject.toml Makefile $(TORCH_PIN)
 	$(PYTHON) -m venv $(VENV)
@@ -19,21 +19,27 @@ $(STAMP): pyproject.toml Makefile $(TORCH_PIN)
 
 install: $(STAMP)
 
-# The pinned Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl), built from the Go module proxy once into ~/.cache/kareus/kube/<version>/bin and reused;
-# KAREUS_KUBE_BIN or KUBEBUILDER_ASSETS name prebuilt binaries instead. About 10 min cold on 2 cores.
+# The pinned Kubernetes release (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
+# and the nodes' kubelet and kube-proxy), built from the Go module proxy once into
+# ~/.cache/kareus/kube/<version>/bin and reused; KAREUS_KUBE_BIN or KUBEBUILDER_ASSETS name prebuilt
+# binaries instead. About 10 min cold on 2 cores.
 kube:
 	bash tools/kube/build.sh
 
-# Prometheus and promtool (Debian's `prometheus` package, 2.42): the dev cluster's Prometheus, the
-# live dashboard tests and `promtool test rules` on the chart's alerts. A distribution package
-# installs in seconds, where building Prometheus from the Go module proxy would take many minutes.
-prometheus:
-	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
-		(apt-get update && apt-get install -y --no-install-recommends prometheus)
+# Debian's packages the tests run: Prometheus and promtool (2.42: the dev cluster's Prometheus, the live
+# dashboard tests, `promtool test rules`), and the nodes' container stack (containerd, runc, the CNI
+# plugins, iptables, conntrack) with the image builders (buildah, mmdebstrap). One apt run: two at once
+# would fight over dpkg's lock.
+DEB_PACKAGES := prometheus containerd runc containernetworking-plugins buildah mmdebstrap iptables conntrack iproute2
+packages:
+	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
+		--no-install-recommends $$missing; fi
+
+prometheus: packages
 
 # The Kueue controller (sigs.k8s.io/kueue, pinned in tools/kueue/go.mod) with its CRDs and webhook
-# list, built once into ~/.cache/kareus/kueue/<version>; about 8 min cold on 2 cores.
+# list, built once into ~/.cache/kareus/kueue/<version>; about 12 min cold on 2 cores.
 kueue:
 	bash tools/kueue/build.sh
 
@@ -41,16 +47,16 @@ kueue:
 # Docker engine (buildah on a Debian base made by mmdebstrap; Debian's containerd and runc run them), each
 # cached by the content hash of its inputs in ~/.cache/kareus/images and rebuilt only when they change;
 # then the store the dev cluster's nodes start from. About 15 min cold (the runtime image carries the
-# pinned torch), seconds when nothing changed.
-images: $(STAMP) kube
-	command -v containerd >/dev/null && command -v runc >/dev/null && command -v buildah >/dev/null && \
-		command -v mmdebstrap >/dev/null && command -v iptables >/dev/null && command -v conntrack >/dev/null && \
-		test -x /usr/lib/cni/bridge || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
-		--no-install-recommends containerd runc containernetworking-plugins buildah mmdebstrap iptables \
-		conntrack iproute2)
+# pinned torch), 2-5 min after a change of code, seconds when nothing changed.
+images: $(STAMP) packages
 	$(BIN)/python -m kareus_devcluster.images
 
-test: $(STAMP) kube kueue prometheus images
+# What the tests need, built side by side (the Go builds use the CPUs, the images mostly the network
+# and the disk), then the suite.
+test-deps: $(STAMP) kube kueue packages images
+
+test:
+	$(MAKE) -j3 --output-sync=target test-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 run: $(STAMP)

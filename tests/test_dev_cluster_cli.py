@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +13,7 @@ import time
 import psutil
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -26,30 +29,81 @@ def test_bad_arguments_get_one_clear_error(tmp_path, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_ready_then_ctrl_c_stops_everything(tmp_path, control_plane):
-    """control_plane: the binaries are there (built once per session); this cluster is its own."""
-    process = subprocess.Popen([sys.executable, "-m", "kareus", "dev-cluster", "--kubeconfig", str(tmp_path / "kc"),
-                                "--workdir", str(tmp_path / "work")], stdout=subprocess.PIPE,
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _pids_in(netns: str) -> set[int]:
+    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, check=False).stdout
+    return {int(pid) for pid in out.split()}
+
+
+def test_two_real_nodes_then_ctrl_c_stops_everything(tmp_path, control_plane):
+    """The acceptance of the real-nodes work, as a user checks a kind cluster: `kareus dev-cluster --nodes 2`,
+    then kubectl. control_plane: the binaries are there (built once per session); this cluster is its own."""
+    from kareus_devcluster.controlplane import kubectl_path
+
+    before = _netns()
+    kubeconfig = tmp_path / "kc"
+    process = subprocess.Popen([sys.executable, "-m", "kareus", "dev-cluster", "--nodes", "2", "--kubeconfig",
+                                str(kubeconfig), "--workdir", str(tmp_path / "work")], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     lines = []
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         lines.append(line)
         if line.strip() == "ready" or (not line and process.poll() is not None):
             break
     assert lines[-1].strip() == "ready", "".join(lines[-20:])
-    assert any(line.startswith("API https://127.0.0.1:") for line in lines)
+    assert any(line.startswith("API https://198.18.") for line in lines)
+    namespaces = _netns() - before
     started = psutil.Process(process.pid).children(recursive=True)
-    names = {p.name() for p in started}
-    assert {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"} <= names
-    assert any("kareus-operator" in " ".join(p.cmdline()) for p in started)  # the operator pod runs
-    assert any("kareus-node" in " ".join(p.cmdline()) for p in started)  # the node agent pod runs
-    pods = [p for p in started if "kareus-operator" in " ".join(p.cmdline()) or "kareus-node" in " ".join(p.cmdline())]
+    inside = set().union(*(_pids_in(ns) for ns in namespaces))
 
-    process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=90) == 0
+    def kubectl(*args: str) -> str:
+        return subprocess.run([kubectl_path(), f"--kubeconfig={kubeconfig}", *args], capture_output=True, text=True,
+                              check=True, timeout=120).stdout
+
+    try:
+        nodes = json.loads(kubectl("get", "nodes", "-o", "json"))["items"]
+        assert len(nodes) == 2
+        node_ips = set()
+        for node in nodes:
+            info = node["status"]["nodeInfo"]
+            assert re.fullmatch(r"v1\.34\.\d+", info["kubeletVersion"]), info
+            assert info["containerRuntimeVersion"].startswith("containerd://"), info
+            node_ips |= {a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP"}
+        wide = kubectl("get", "nodes", "-o", "wide")
+        assert wide.count("containerd://") == 2 and wide.count("v1.34.") == 2, wide
+        pods = json.loads(kubectl("get", "pods", "-A", "-o", "json"))["items"]
+        running = [p for p in pods if p["status"]["phase"] == "Running"]
+        assert {p["metadata"]["namespace"] for p in running} >= {"kube-system", "kareus-system", "kareus-node"}
+        for pod in running:
+            for status in pod["status"]["containerStatuses"]:
+                assert status["containerID"].startswith("containerd://"), status
+                assert status["imageID"].startswith("sha256:"), status
+            ip = ipaddress.ip_address(pod["status"]["podIP"])
+            assert not ip.is_loopback
+            if not pod["spec"].get("hostNetwork"):
+                assert str(ip) not in node_ips and ip in ipaddress.ip_network("10.244.0.0/16"), pod["metadata"]
+        [operator] = [p["metadata"]["name"] for p in running if p["metadata"]["namespace"] == "kareus-system"]
+        program = ("import os, socket; print(os.getuid()); "
+                   "print(socket.gethostbyname('kubernetes.default.svc.cluster.local'))")
+        uid, resolved = kubectl("exec", "-n", "kareus-system", operator, "--", "python", "-c", program).split()
+        assert int(uid) != 0
+        assert resolved == json.loads(kubectl("get", "service", "kubernetes", "-o", "json"))["spec"]["clusterIP"]
+        for namespace in ("kareus-system", "kareus-node"):
+            slices = json.loads(kubectl("get", "endpointslices", "-n", namespace, "-o", "json"))["items"]
+            assert slices and all(any(e.get("conditions", {}).get("ready") for e in s.get("endpoints") or [])
+                                  for s in slices), slices
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == 0
     gone, alive = psutil.wait_procs(started, timeout=10)
     assert alive == [], [(p.pid, p.name()) for p in alive]
-    assert len(gone) >= 4 + len(pods)
+    assert {"etcd", "kube-apiserver", "kubelet", "containerd", "kube-proxy"} <= {p.name() for p in gone}
+    assert not namespaces & _netns()  # the nodes' (and Prometheus') namespaces are gone
+    assert not [pid for pid in inside if psutil.pid_exists(pid)]  # so is every process that ran in them

@@ -54,8 +54,8 @@ ALLOWED: dict[str, set[str]] = {
     "kareus.cli": CORE | {"kareus_operator", "kareus_devcluster"},
     "kareus.__main__": {"kareus.cli"},
     "kareus_operator": CORE - {"kareus.runtime"},
-    # the dev cluster's emulated node serves the kubelet's pod-resources API with the node agent's protos
-    "kareus_devcluster": CORE - {"kareus.runtime"} | {"kareus_operator", "kareus_node"},
+    # the dev cluster: its own protos (the kubelet's device-plugin API), none of the shells'
+    "kareus_devcluster": CORE - {"kareus.runtime"},
     "kareus_node": BASE | {"kareus.gpu", "kareus.sim", "kareus.policy", "kareus.daemon_client", "kareus.launcher",
                            "kareus.incluster"},
 }

@@ -67,7 +67,7 @@ def node_name(index: int) -> str:
 
 
 def node_gpu_uuids(name: str, count: int = NODE_GPUS, product: str = NODE_GPU_PRODUCT) -> list[str]:
-    """UUIDs of a node's simulated GPUs: the device-plugin stand-in hands out exactly those the node
+    """UUIDs of a node's simulated GPUs: the device plugin hands out exactly those the node
     agent's simulated backend discovers (both deterministic per node, model and index)."""
     from kareus.gpu import discover
 

@@ -11,8 +11,8 @@ controller's ClusterRole of the same module version. `DevKueue(...).start()`:
   Jobs; no leader election; the webhook on 127.0.0.1 with a serving certificate from the same CA)
   and starts the controller as a local process, as the control plane's own components run;
 - registers Kueue's own mutating and validating webhooks for Jobs and for its API types, with a
-  `url` client config instead of the in-cluster Service (the emulated nodes' pod IPs are loopback
-  addresses, so Services get no endpoints here), once its webhook server answers.
+  `url` client config instead of the in-cluster Service (the controller runs beside the control plane,
+  not in a pod, so no Service fronts it), once its webhook server answers.
 
 `stop()` removes the webhook configurations before it stops the process (with `failurePolicy:
 Fail` they would otherwise refuse every Job on a control plane other tests share), then the

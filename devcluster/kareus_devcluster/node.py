@@ -136,6 +136,9 @@ class RealNode:
         self.sim_gpu_dir.chmod(0o777)
         (self.root / "var/run").unlink(missing_ok=True)
         (self.root / "var/run").symlink_to("/run")
+        # A dev cluster killed before its stop() (the same slot and node name) left its pods running.
+        self._kill_cgroup_root()
+        self._remove_cgroup_root()
         self._make_cgroup_root()
         self._write_configs()
         self._start_holder()
@@ -159,6 +162,9 @@ class RealNode:
         kubelet = self.processes.pop("kubelet", None)
         if kubelet is not None:
             _terminate(kubelet)
+        # The containers' processes, each in mount namespaces of their own, are all under the kubelet's
+        # cgroup root: as when a node is powered off, they go first.
+        self._kill_cgroup_root()
         if self.holder is not None:
             namespace = _mount_ns(self.holder.pid)
             for _ in range(3):  # a shim may fork while its siblings die
@@ -230,6 +236,18 @@ class RealNode:
             for knob in ("cpuset.cpus", "cpuset.mems"):  # a new cpuset is empty until given its parent's
                 if (path / knob).exists() and not (path / knob).read_text().strip():
                     (path / knob).write_text((hierarchy / knob).read_text())
+
+    def _kill_cgroup_root(self) -> None:
+        for _ in range(3):  # a process may fork while its siblings die
+            pids = {int(pid) for hierarchy in _v1_hierarchies()
+                    for procs in (hierarchy / self.cgroup_root.lstrip("/")).rglob("cgroup.procs")
+                    for pid in _read(procs).split()}
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
 
     def _remove_cgroup_root(self) -> None:
         for hierarchy in _v1_hierarchies():
@@ -447,6 +465,13 @@ def _v1_hierarchies() -> list[Path]:
             if fields[separator + 1] == "cgroup":
                 found.append(Path(fields[4]))
     return found
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _all_pids() -> list[int]:

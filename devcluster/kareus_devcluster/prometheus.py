@@ -15,10 +15,9 @@ and namespaces — and writes every pod's container ports as file-SD targets lab
 `..._container_port_name`, `..._pod_phase`, …; `pod_targets`). Everything after discovery is
 Prometheus' own: the relabelling derived from the monitors, scraping, rules, queries.
 
-Why pods rather than the Operator's `role: endpoints`: pod IPs of the emulated nodes are loopback
-addresses (127.0.0.N), which the API server refuses in Endpoints and EndpointSlices, so Services
-here never get endpoints. A ServiceMonitor is therefore translated to what its endpoints would have
-held — the pods its Services select, in the Services' namespaces, on the container port the Service
+Why pods rather than the Operator's `role: endpoints`: one discovery (pods) serves both kinds of
+monitor, and the pods are what the Services' endpoints hold. A ServiceMonitor is translated to what its
+endpoints hold — the pods its Services select, in the Services' namespaces, on the container port the Service
 port targets — and a PodMonitor to its own pod selector, namespaces and port. The monitor's path,
 interval, timeout, `honorLabels` and relabelings are kept; the target labels are the Operator's
 (`namespace`, `pod`, `container`, `endpoint`, `service`; `job` is the Service's name for a
