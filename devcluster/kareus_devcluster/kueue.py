@@ -183,13 +183,17 @@ class DevKueue(Started):
 
 
 def quota_objects(name: str, gpus: int, namespaces: list[str], *, preemption: bool = True) -> list[dict[str, Any]]:
-    """A ResourceFlavor, a ClusterQueue with `gpus` nvidia.com/gpu of quota (CPU and memory
-    uncounted) and a LocalQueue `name` in each namespace: the setup a platform team writes."""
+    """A ResourceFlavor, a ClusterQueue with `gpus` nvidia.com/gpu of quota and a LocalQueue `name` in
+    each namespace: the setup a platform team writes. Kueue admits only what its queue covers, and the
+    GPU pods request memory too: CPU and memory are covered with quotas nothing here reaches."""
+    unbounded = {"cpu": "1000", "memory": "100Ti"}
     cluster_queue: dict[str, Any] = {
         "apiVersion": API, "kind": "ClusterQueue", "metadata": {"name": name},
         "spec": {"namespaceSelector": {},
-                 "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"], "flavors": [
-                     {"name": name, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": gpus}]}]}]}}
+                 "resourceGroups": [{"coveredResources": ["cpu", "memory", "nvidia.com/gpu"], "flavors": [
+                     {"name": name, "resources": [
+                         *({"name": resource, "nominalQuota": quota} for resource, quota in unbounded.items()),
+                         {"name": "nvidia.com/gpu", "nominalQuota": gpus}]}]}]}}
     if preemption:
         cluster_queue["spec"]["preemption"] = {"withinClusterQueue": "LowerPriority"}
     return [{"apiVersion": API, "kind": "ResourceFlavor", "metadata": {"name": name}}, cluster_queue,
