@@ -112,6 +112,10 @@ class ClusterNetwork:
             if name.startswith(f"kd{self.slot}-"):
                 run("ip", "netns", "delete", name, check=False)
         run("ip", "link", "delete", self.bridge, check=False)
+        for line in run("ip", "-o", "link", "show", check=False).stdout.splitlines():
+            name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+            if name.startswith(f"kd{self.slot}v"):  # a veth whose node namespace something still holds
+                run("ip", "link", "delete", name, check=False)
         for direction in ("-i", "-o"):
             other = "-o" if direction == "-i" else "-i"
             while run("iptables", "-D", "FORWARD", direction, self.bridge, "!", other, self.bridge, "-j", "DROP",
