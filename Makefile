@@ -55,7 +55,7 @@ images: $(STAMP) packages
 # and the disk), then the suite.
 test-deps: $(STAMP) kube kueue packages images
 
-test:
+test: $(STAMP)
 	$(MAKE) -j3 --output-sync=target test-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 

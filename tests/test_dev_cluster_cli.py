@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import re
@@ -61,6 +62,10 @@ def test_two_real_nodes_then_ctrl_c_stops_everything(tmp_path, control_plane):
     assert any(line.startswith("API https://198.18.") for line in lines)
     namespaces = _netns() - before
     started = psutil.Process(process.pid).children(recursive=True)
+    names = set()
+    for child in started:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            names.add(child.name())
     inside = set().union(*(_pids_in(ns) for ns in namespaces))
 
     def kubectl(*args: str) -> str:
@@ -104,6 +109,7 @@ def test_two_real_nodes_then_ctrl_c_stops_everything(tmp_path, control_plane):
         assert process.wait(timeout=120) == 0
     gone, alive = psutil.wait_procs(started, timeout=10)
     assert alive == [], [(p.pid, p.name()) for p in alive]
-    assert {"etcd", "kube-apiserver", "kubelet", "containerd", "kube-proxy"} <= {p.name() for p in gone}
+    assert {"etcd", "kube-apiserver", "kubelet", "containerd", "kube-proxy"} <= names
+    assert len(gone) == len(started)
     assert not namespaces & _netns()  # the nodes' (and Prometheus') namespaces are gone
     assert not [pid for pid in inside if psutil.pid_exists(pid)]  # so is every process that ran in them

@@ -124,7 +124,9 @@ def test_quickstart_end_to_end(cluster):
     [profile_pod] = core.list_namespaced_pod(NS, label_selector="kareus.dev/job-name=quickstart,"
                                                                 "kareus.dev/role=profile").items
     gpus = str(load_job(QUICKSTART).spec.training.gpus_per_node)  # the quickstart's 4
-    assert profile_pod.spec.containers[0].resources.limits == {"nvidia.com/gpu": gpus}
+    limits = profile_pod.spec.containers[0].resources.limits
+    assert limits["nvidia.com/gpu"] == gpus and set(limits) == {"nvidia.com/gpu", "memory"}
+    assert profile_pod.status.qos_class == "Burstable"  # memory requested and limited, above its /dev/shm
     assert profile_pod.metadata.name in lockers, (profile_pod.metadata.name, lockers)
     assert all(v.host_path is None for v in profile_pod.spec.volumes)
 

@@ -81,12 +81,10 @@ def test_the_chart_grants_every_verb_its_components_use(dev_cluster):
 
 def worker_pod(core: client.CoreV1Api, namespace: str, name: str) -> client.V1Pod:
     """A pod running as the workers' ServiceAccount (what the operator starts), left sleeping."""
-    import sys
-
     core.create_namespaced_pod(namespace, {"metadata": {"name": name}, "spec": {
         "serviceAccountName": "kareus-worker", "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-        "containers": [{"name": "main", "image": "example.org/test:1",
-                        "command": [sys.executable, "-c", "import time; time.sleep(600)"]}]}})
+        "containers": [{"name": "main", "image": "localhost/kareus/runtime:0.1.0", "imagePullPolicy": "IfNotPresent",
+                        "command": ["python", "-c", "import time; time.sleep(600)"]}]}})
     return wait_until(lambda: core.read_namespaced_pod(name, namespace), lambda pod: pod.status.phase == "Running",
                       timeout_s=60, what=f"pod {name} running")
 
