@@ -15,6 +15,23 @@ import pytest
 _namespaces = itertools.count()
 
 
+def pytest_collection_finish(session):
+    """Before any test runs, when any will use the dev cluster: the images it runs (`make images`), so
+    that a rebuild after a change of code (minutes) is never charged to one test's timeout. `make test`
+    has built them already; then this only checks their content hashes."""
+    if not any("dev_cluster" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    from kareus_devcluster.images import cache_dir, node_images
+    from kareus_devcluster.node import image_store
+
+    from kareus.errors import KareusError
+
+    try:
+        image_store(node_images(), cache_dir() / "containerd")
+    except KareusError as error:
+        pytest.exit(f"the dev cluster's images could not be built: {error}", returncode=1)
+
+
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory):
     from kareus_devcluster.controlplane import ControlPlane, binaries_dir
