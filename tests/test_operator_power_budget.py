@@ -24,7 +24,7 @@ from kareus.plan import Plan
 from kareus.policy import PowerBudget
 from kareus.power_budget import PowerJob, allocate
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 NS = "power"
 DEADLINE = {"timeBudget": {"maxSlowdownPercent": 3.0}}
 OBJECTIVES = {"a": {"maxThroughput": {}}, "b": {"maxThroughput": {}}, "late": DEADLINE}
@@ -42,7 +42,7 @@ async def plan_row(kube: Kube, name: str) -> int:
     return Plan.loads(plan_text(cm)).selected_row
 
 
-async def until(check, timeout_s: float = 90.0, what: str = "") -> None:
+async def until(check, timeout_s: float = 180.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while not await check():
         if time.monotonic() > deadline:
