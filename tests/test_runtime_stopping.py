@@ -8,10 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import yaml
+from kube_helpers import wait_until
 
 from kareus.errors import NON_RETRYABLE_EXIT_CODES
 from kareus.runtime import stopping
@@ -32,11 +32,12 @@ def test_sigterm_stops_every_rank_after_one_agreed_step(tmp_path):
                                 str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     log = out / "train.jsonl"
-    deadline = time.monotonic() + 240
-    while not (log.exists() and len(log.read_text().splitlines()) >= 2):
-        assert trainer.poll() is None, trainer.communicate()
-        assert time.monotonic() < deadline, "no step was logged"
-        time.sleep(0.1)
+
+    def logged_steps() -> int:
+        assert trainer.poll() is None, trainer.communicate()  # still training
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    wait_until(logged_steps, lambda steps: steps >= 2, timeout_s=240, what="two logged steps", interval_s=0.1)
     ranks = [child.pid for child in psutil.Process(trainer.pid).children(recursive=True)
              if "python" in child.name().lower() or "spawn" in " ".join(child.cmdline())]
     assert ranks, "the ranks are child processes of kareus train"

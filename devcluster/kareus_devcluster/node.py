@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from kareus.errors import KareusError
+from kareus_devcluster.controlplane import stop_process
 from kareus_devcluster.network import POD_CIDR, NodeAddress
 
 CLUSTER_DNS_IP = "10.96.0.10"
@@ -158,10 +159,10 @@ class RealNode:
         processes) is killed, the device plugin stopped, the node's cgroups removed."""
         plugin = self.processes.pop("device-plugin", None)
         if plugin is not None:
-            _terminate(plugin)
+            stop_process(plugin)
         kubelet = self.processes.pop("kubelet", None)
         if kubelet is not None:
-            _terminate(kubelet)
+            stop_process(kubelet)
         # The containers' processes, each in mount namespaces of their own, are all under the kubelet's
         # cgroup root: as when a node is powered off, they go first.
         self._kill_cgroup_root()
@@ -175,10 +176,10 @@ class RealNode:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
                 time.sleep(0.2)
-            _terminate(self.holder)
+            stop_process(self.holder)
             self.holder = None
         for process in self.processes.values():
-            _terminate(process)
+            stop_process(process)
         self.processes = {}
         self._remove_cgroup_root()
         # The mounts died with the namespace; what containerd unpacked is plain files now.
@@ -187,7 +188,7 @@ class RealNode:
 
     def restart_kubelet(self) -> None:
         """The kubelet alone stops and starts again (its pods keep running, as on a real node)."""
-        _terminate(self.processes.pop("kubelet"))
+        stop_process(self.processes.pop("kubelet"))
         self._spawn("kubelet", [str(self.bin / "kubelet"), *self._kubelet_args()])
 
     def dead(self) -> str | None:
@@ -434,7 +435,7 @@ def image_store(images: Sequence[tuple[str, Path]], cache: Path) -> Path:
         # What older archives left behind (no image refers to it any more) goes: a synchronous GC.
         subprocess.run([*ctr, "content", "prune", "references"], capture_output=True, check=False)
     finally:
-        _terminate(daemon, grace_s=30.0)
+        stop_process(daemon, grace_s=30.0)
         subprocess.run(["rm", "-rf", str(state)], check=False)
     done.write_text(wanted)
     return store / "root"
@@ -483,16 +484,3 @@ def _mount_ns(pid: int) -> str | None:
         return os.readlink(f"/proc/{pid}/ns/mnt")
     except OSError:
         return None
-
-
-def _terminate(process: subprocess.Popen, grace_s: float = 10.0) -> None:
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
