@@ -160,3 +160,47 @@ def test_numpy_integers_are_accepted(tmp_path) -> None:
     gpu.lock_sm_clock(np.int64(1200), np.int64(1305))
     assert gpu.locked_range_mhz() == (1200, 1305) and type(gpu.locked_range_mhz()[0]) is int
     assert discover("sim", count=1, state_dir=tmp_path)[0].locked_clock_mhz() == 1305
+
+
+def _kareus_imports(path) -> set[str]:
+    """Every `kareus.…` module a source file imports, at any depth (lazy imports included)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.startswith("kareus")}
+
+
+def test_the_simulated_gpu_modules_import_one_way() -> None:
+    """`kareus.gpu.sim` sits under `kareus.gpu.simdevice`: the shared device builds on the simulated
+    GPU, never the reverse (not even lazily), and every public name stays where it was."""
+    from pathlib import Path
+
+    import kareus.gpu.sim as sim
+    import kareus.gpu.simdevice as simdevice
+
+    assert "kareus.gpu.simdevice" not in _kareus_imports(Path(sim.__file__))
+    assert "kareus.gpu.sim" in _kareus_imports(Path(simdevice.__file__))
+    for name in ("SimulatedGPU", "discover_sim", "sim_uuid"):
+        assert hasattr(sim, name)
+    for name in ("SharedSimulatedGPU", "SimDeviceFile", "POWER_WINDOW_S", "SIM_GPU_DIR_ENV", "VISIBLE_DEVICES_ENV",
+                 "recent_work", "visible_uuids", "sim_index", "discover_shared"):
+        assert hasattr(simdevice, name)
+    assert issubclass(simdevice.SharedSimulatedGPU, sim.SimulatedGPU)
+
+
+def test_discover_with_a_device_directory_gives_the_shared_gpus(tmp_path) -> None:
+    from kareus.gpu.simdevice import SharedSimulatedGPU
+
+    shared = discover("sim", count=2, product="A100-SXM4-40GB", node="n", mig_indices=(1,),
+                      state_dir=tmp_path / "state", device_dir=tmp_path / "dev")
+    assert [type(g) for g in shared] == [SharedSimulatedGPU, SharedSimulatedGPU]
+    assert [g.uuid for g in shared] == [g.uuid for g in discover("sim", count=2, node="n")]
+    assert [g.is_mig_enabled() for g in shared] == [False, True]
+    shared[0].lock_sm_clock(1005, 1005)
+    assert not (tmp_path / "state").exists()  # the lock went to the device, not the state directory
+    assert discover("sim", count=1, node="n", device_dir=tmp_path / "dev")[0].locked_range_mhz() == (1005, 1005)

@@ -3,7 +3,8 @@
 `discover(backend, ...)` returns the node's GPUs as `GPUDevice`s:
 
 - `discover("sim", count=2, product="A100-SXM4-40GB")` — simulated GPUs (`SimulatedGPU`) with
-  deterministic UUIDs `GPU-sim-<n>-…`, PCI bus ids, lock validation and an energy counter;
+  deterministic UUIDs `GPU-sim-<n>-…`, PCI bus ids, lock validation and an energy counter; with
+  `device_dir=DIR` the node's shared simulated GPUs (`kareus.gpu.simdevice.SharedSimulatedGPU`);
 - `discover("nvml")` — every GPU NVML sees (`NVMLGPU`); raises `KareusError` when NVML is missing.
 
 Nothing above this package imports `pynvml`.
@@ -23,6 +24,12 @@ BACKENDS = ("nvml", "sim")
 def discover(backend: str = "nvml", **options: Any) -> list[GPUDevice]:
     """The GPUs of this node through `backend` ("nvml" or "sim"); `options` go to the backend."""
     if backend == "sim":
+        device_dir = options.pop("device_dir", None)
+        if device_dir is not None:
+            from kareus.gpu.simdevice import discover_shared
+
+            options.pop("state_dir", None)  # a shared GPU's lock lives in the device
+            return list(discover_shared(device_dir=device_dir, **options))
         return list(discover_sim(**options))
     if backend == "nvml":
         from kareus.gpu.nvml import discover_nvml  # imports pynvml lazily

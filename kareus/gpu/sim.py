@@ -11,10 +11,10 @@ Locks can persist in a state directory (one JSON file per GPU, written atomicall
 restarted process — the node daemon after SIGKILL — sees the GPU still locked until it resets it,
 as a real GPU would.
 
-With a device directory (`discover_sim(device_dir=...)`, `kareus.gpu.simdevice`) the GPU is
-instead one device shared by processes — the node agent and the pods allocated it — through a
-state file holding its counter and lock; its time is then the modelled time of the work accounted
-on it, and wall time adds no idle energy (see that module).
+A GPU shared by processes — the node agent and the pods allocated it — is
+`kareus.gpu.simdevice.SharedSimulatedGPU`, built on this class in that module (`discover("sim",
+device_dir=...)`); this module knows nothing of it, so the package has one direction: `device` ←
+`sim` ← `simdevice`.
 """
 
 from __future__ import annotations
@@ -156,15 +156,9 @@ class SimulatedGPU(GPUDevice):
 
 def discover_sim(count: int = 1, product: str = "A100-SXM4-40GB", *, node: str = "localhost",
                  mig_indices: tuple[int, ...] = (), state_dir: str | os.PathLike[str] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 device_dir: str | os.PathLike[str] | None = None) -> list[SimulatedGPU]:
-    """`count` simulated GPUs of `product` on `node`; with `device_dir` the node's shared devices
-    (`kareus.gpu.simdevice.SharedSimulatedGPU`, whose lock lives in the device, not `state_dir`)."""
+                 clock: Callable[[], float] = time.monotonic) -> list[SimulatedGPU]:
+    """`count` simulated GPUs of `product` on `node`, each this process's own (for the node's
+    shared devices see `kareus.gpu.simdevice.discover_shared`)."""
     spec = get_gpu(product)
-    if device_dir is not None:
-        from kareus.gpu.simdevice import SharedSimulatedGPU  # imports this module
-
-        return [SharedSimulatedGPU(spec, index, device_dir=device_dir, node=node, mig_enabled=index in mig_indices,
-                                   clock=clock) for index in range(count)]
     return [SimulatedGPU(spec, index, node=node, mig_enabled=index in mig_indices, state_dir=state_dir, clock=clock)
             for index in range(count)]

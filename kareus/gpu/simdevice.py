@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus.gpu.sim import SimulatedGPU
-from kareus.sim.gpus import GPUSpec
+from kareus.sim.gpus import GPUSpec, get_gpu
 from kareus.sim.measurement import Measurement
 
 SIM_GPU_DIR_ENV = "KAREUS_SIM_GPU_DIR"
@@ -172,6 +172,16 @@ class SharedSimulatedGPU(SimulatedGPU):
         """Add modelled work (its energy and GPU time) at `clock_mhz` (default: the clock work runs at now)."""
         self.device.account(energy_j, time_s, self.run_clock_mhz() if clock_mhz is None else clock_mhz,
                             now_s=self._clock())
+
+
+def discover_shared(count: int = 1, product: str = "A100-SXM4-40GB", *, device_dir: str | os.PathLike[str],
+                    node: str = "localhost", mig_indices: tuple[int, ...] = (),
+                    clock: Callable[[], float] = time.monotonic) -> list[SharedSimulatedGPU]:
+    """The node's `count` shared simulated GPUs of `product` in `device_dir` (their lock lives in
+    the device, so no state directory)."""
+    spec = get_gpu(product)
+    return [SharedSimulatedGPU(spec, index, device_dir=device_dir, node=node, mig_enabled=index in mig_indices,
+                               clock=clock) for index in range(count)]
 
 
 def visible_uuids(value: str | None) -> list[str]:
