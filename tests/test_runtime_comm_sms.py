@@ -70,3 +70,13 @@ def test_a_launch_with_an_sm_count_without_communicator_is_refused():
 def test_on_gloo_sm_counts_mean_nothing():
     comm = GroupComm("gloo-group", 2, cuda=False)
     assert comm.group_for(16) == "gloo-group"
+
+
+@pytest.mark.parametrize("variable", ["NCCL_MIN_CTAS", "NCCL_MAX_CTAS"])
+def test_nccl_cta_variables_in_the_environment_are_refused(new_groups, monkeypatch, variable):
+    """Fails where NCCL_MIN_CTAS/NCCL_MAX_CTAS silently override every communicator's SM bound."""
+    monkeypatch.setenv(variable, "16")
+    with pytest.raises(KareusError, match=f"{variable}=16 in the environment would override") as refused:
+        nccl_groups_by_sms([(0, 1)], (0, 1), {4}, torch.device("cuda", 0))
+    assert "unset NCCL_MIN_CTAS and NCCL_MAX_CTAS" in str(refused.value)
+    assert new_groups == []

@@ -28,6 +28,7 @@ sequence / reduce-scatter its gradient).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -171,9 +172,19 @@ def comm_stream() -> object:
     return torch.cuda.Stream(priority=highest)
 
 
+# NCCL reads these when a communicator is created and they override every communicator's config.
+CTA_OVERRIDES = ("NCCL_MIN_CTAS", "NCCL_MAX_CTAS")
+
+
 def nccl_options(comm_sms: int) -> object:
     """ProcessGroupNCCL options for a communicator on exactly `comm_sms` CTAs (one per SM), on a
-    high-priority NCCL stream; `CommSmsError` when this torch cannot bound CTAs."""
+    high-priority NCCL stream; `CommSmsError` when this torch cannot bound CTAs, or when the
+    environment's NCCL_MIN_CTAS/NCCL_MAX_CTAS would silently override the bound."""
+    overrides = [f"{name}={os.environ[name]}" for name in CTA_OVERRIDES if name in os.environ]
+    if overrides:
+        raise CommSmsError(f"{' and '.join(overrides)} in the environment would override every communicator's "
+                           f"comm SM bound ({comm_sms} SMs asked for); unset {' and '.join(CTA_OVERRIDES)}, "
+                           f"or use --schedule sequential")
     options_cls = getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)
     options = options_cls() if options_cls is not None else None
     config = getattr(options, "config", None)

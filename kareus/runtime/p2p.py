@@ -10,8 +10,11 @@ NCCL's internal buffers (any real model) both stages hang. gloo buffers sends, s
 do: an instruction's outgoing tensor is held until the next instruction asks for its input; when
 that input comes from the same peer the send and the receive go out as one
 `dist.batch_isend_irecv` group (one NCCL group: both directions progress together), otherwise
-the send goes alone, first. Everything is looked up on `torch.distributed` at call time, so a test
-can put a backend shim in its place.
+the send goes first, in a group of its own. Every send and every receive is batched: a plain
+`dist.isend` is issued outside any NCCL group (ProcessGroupNCCL may run it on a different, two-rank
+communicator and sequence than grouped ops), so a lone send facing a batched receive on the peer
+is not guaranteed to match it. Everything is looked up on `torch.distributed` at call time, so a
+test can put a backend shim in its place.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class StageLink:
         """Send the queued tensor now (the next instruction receives from elsewhere, or not at all)."""
         out, self._outgoing = self._outgoing, None
         if out is not None:
-            self._in_flight.append((dist.isend(out.tensor, out.dst, tag=out.tag), out.tensor))
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out.tensor, out.dst, tag=out.tag)])
+            self._in_flight.extend((work, out.tensor) for work in works)
 
     def finish(self) -> None:
         """End of the iteration: send what is queued and wait for every send."""
