@@ -12,7 +12,9 @@ method with the same composition and solver code, and print
 - the acceptance checks: Kareus never dominated, faster and cheaper than Megatron at max
   throughput, iso-time gain > 0, and (testbed configs) hypervolume within 1 % of the frontier
   composed from exhaustively measured partition types;
-- the optimizer's wall time (composition + iteration frontier) per configuration.
+- the optimizer's wall time (composition + iteration frontier) per configuration;
+- the calibration's errors, fit and held-out apart, on the pre-registered target file (`--targets`,
+  default the shipped A100 points), rows relabelled after results were seen marked `*`.
 
     .venv/bin/python bench/paper_table.py [--quick] [--json OUT.json]
 
@@ -31,6 +33,7 @@ from kareus.optimizer import metrics
 from kareus.optimizer.baselines import LABELS, METHODS, compare_methods, comparison_metrics, method_frontier
 from kareus.profiler import profile_job
 from kareus.profiler.backends import SimBackend
+from kareus.sim import calibration as sim_calibration
 from kareus.sim import paramsfile
 from kareus.spec import parse_job
 
@@ -163,15 +166,43 @@ def print_tables(results: list[dict]) -> None:
             print(f"{r['config']:44} {'ok' if not failed else 'FAILED: ' + ', '.join(failed)}")
 
 
+def calibration_errors(calibration: paramsfile.SimCalibration, targets_path: str) -> dict:
+    """Every target's error under `calibration` (nothing fitted), with the file's history."""
+    loaded = sim_calibration.read_target_file(targets_path)
+    result = sim_calibration.evaluate(calibration, list(loaded.targets), loaded.history())
+    return result.to_fit_record()
+
+
+def print_calibration(record: dict) -> None:
+    relabelled = {change["row"] for change in record["history"]["label_changes"]}
+    for split, title in (("fit", "Fit set"), ("holdout", "Held-out set (never fitted)")):
+        print(f"\nCalibration: {title} (* = label changed after results were seen)")
+        for row in record["targets"]:
+            if row["split"] != split:
+                continue
+            error = (f"{100 * row['error']:+.1f} %" if row["error_kind"] == "relative"
+                     else f"{100 * row['error']:+.1f} pts")
+            mark = "*" if row["name"] in relabelled else " "
+            print(f"{mark} {row['name'][:76]:76} {row['target']:>9.4g} {row['value']:>9.4g} {error:>10}")
+    parts = [f"{key} {100 * value:.1f}{' %' if 'relative' in key else ' pts'}" for key, value in record.items()
+             if key.endswith(("_rms", "_max"))]
+    print("errors (rms / max): " + "; ".join(parts))
+    for choice in record["history"]["model_choices"]:
+        print(f"model choice informed by results ({choice['date']}): {choice['subject']}: {choice['choice']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two testbed configs and 70B at 128 microbatches")
     parser.add_argument("--json", metavar="OUT.json", help="write every number here")
     parser.add_argument("--no-exhaustive", action="store_true", help="skip the exhaustive-composition reference")
     parser.add_argument("--only", metavar="N,…", default=None, help="testbed configurations by index (0-9), no 70B")
+    parser.add_argument("--targets", metavar="CSV", default=str(sim_calibration.SHIPPED_TARGETS),
+                        help="the pre-registered calibration targets whose errors are printed")
     paramsfile.add_argument(parser)
     args = parser.parse_args(argv)
     calibration = paramsfile.load_or_default(args.sim_params)
+    calibration_record = calibration_errors(calibration, args.targets)
     testbed = (TESTBED[0], TESTBED[7]) if args.quick else TESTBED
     emulation = (128,) if args.quick else EMULATION_MICROBATCHES
     if args.only is not None:
@@ -195,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r["config"].startswith("llama3.3-70b"):
             print(f"{r['config']:44} {r['optimizer_s']:7.1f} s, {r['kareus_rows']} frontier plans")
+    print_calibration(calibration_record)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1)

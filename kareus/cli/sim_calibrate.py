@@ -7,9 +7,10 @@
 
 Reads targets (a CSV of published points, the device-check JSON of `bench/device_check.py`, or an
 NVML profile store with its job), fits the named parameters (default: `DEFAULT_FIT`) by bounded
-least squares on the targets marked `fit`, prints every target's value and error with the
-held-out ones apart, and writes a parameter file that `kareus sim …`, `kareus profile --backend
-sim`, `kareus compare` and `kareus run` take as `--sim-params FILE`. `--evaluate` only reports the
+least squares on the targets marked `fit` (a row registered held-out is refused, see
+`kareus.sim.calibration.check_preregistration`), prints every target's value and error with the
+held-out ones apart and the file's label history, and writes a parameter file that `kareus sim …`,
+`kareus profile --backend sim`, `kareus compare` and `kareus run` take as `--sim-params FILE`. `--evaluate` only reports the
 errors of `--start` (default: the shipped presets), fitting nothing. See docs/simulator.md.
 """
 
@@ -53,22 +54,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def load_targets(args: argparse.Namespace) -> list:
+def load_targets(args: argparse.Namespace):
+    """The input's `TargetFile`: a CSV's rows with its label history, or the measurements of a
+    device check or profile store split by `--holdout-every` (their registration is that rule)."""
     from kareus.sim import calibration
 
     if args.targets:
-        targets = calibration.read_csv(args.targets)
+        loaded = calibration.read_target_file(args.targets)
     elif args.device_check:
-        targets = calibration.from_device_check(args.device_check, args.holdout_every)
+        loaded = calibration.TargetFile(tuple(calibration.from_device_check(args.device_check, args.holdout_every)))
     else:
         if not args.job:
             raise KareusError("--profile-store: needs --job JOB.yaml (the store does not record the workload)")
         from kareus.spec import load_job
 
-        targets = calibration.from_profile_store(args.profile_store, load_job(args.job), args.holdout_every)
-    if not targets:
+        loaded = calibration.TargetFile(tuple(calibration.from_profile_store(args.profile_store, load_job(args.job),
+                                                                             args.holdout_every)))
+    if not loaded.targets:
         raise KareusError("calibrate: no targets to fit (the input has no rows)")
-    return targets
+    return loaded
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,13 +82,14 @@ def run(args: argparse.Namespace) -> int:
         raise KareusError(f"--max-evaluations: must be >= 1, got {args.max_evaluations}")
     if not args.evaluate and not args.out:
         raise KareusError("--out: say where to write the fitted parameter file (or pass --evaluate)")
-    targets = load_targets(args)
+    loaded = load_targets(args)
+    targets, history = list(loaded.targets), loaded.history() if loaded.label_changes or loaded.model_choices else {}
     start = paramsfile.load_or_default(args.start)
     if args.evaluate:
-        result = calibration.evaluate(start, targets)
+        result = calibration.evaluate(start, targets, history)
     else:
         names = [name.strip() for name in args.fit.split(",") if name.strip()]
-        result = calibration.fit(targets, names, start, max_evaluations=args.max_evaluations)
+        result = calibration.fit(targets, names, start, max_evaluations=args.max_evaluations, history=history)
     if args.out:
         result.calibration.save(args.out)
     if args.json:
@@ -125,3 +130,9 @@ def print_result(result) -> None:
     summary = result.summary()
     parts = [f"{key} {100 * value:.1f}{' %' if 'relative' in key else ' pts'}" for key, value in summary.items()]
     console.print("errors (rms / max): " + "; ".join(parts))
+    for change in result.history.get("label_changes", []):
+        console.print(f"label changed after results were seen ({change['date']}): {change['row']}: "
+                      f"{change['from']} -> {change['to']} ({change['reason']})")
+    for choice in result.history.get("model_choices", []):
+        console.print(f"model choice informed by results ({choice['date']}): {choice['subject']}: "
+                      f"{choice['choice']} ({choice['reason']})")

@@ -9,6 +9,13 @@ on a `SimCalibration`; `fit` moves the chosen parameters within their physical b
 (`FITTABLE`, `GPU_FITTABLE`) with `scipy.optimize.least_squares` to minimise the scaled errors of
 the *fit* targets, and reports the errors of the fit and the *held-out* targets separately.
 
+The calibration is pre-registered: every row of a target file names its split, and a row whose
+split is not the one it was registered with (`registered`) needs a `# label-change:` line in the
+file giving the date and the reason (`read_target_file`); a row registered held-out is never
+fitted, whatever its label says now (`check_preregistration`, also in `fit`). `# model-choice:`
+lines record the other decisions taken after results were seen (a parameter left out, a target
+that also appears as a result).
+
 Targets come from a CSV of published points (`read_csv`: one row per target, the `Target` field
 names as columns), the device-check JSON (`from_device_check`: its `profiler` section, emulated
 partitions at whatever clock the GPU ran) or an NVML profile store with its job
@@ -19,11 +26,12 @@ throughput, ratios between clocks), absolute (in fraction points) for reductions
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,7 @@ from kareus.workload.ops import LayerDims, layer_sequential_forward
 from kareus.workload.partitions import PartitionType, Workload, build_workload
 
 SPLITS = ("fit", "holdout")
+SHIPPED_TARGETS = Path(__file__).parent / "data" / "a100-targets.csv"  # the A100 fit's pre-registered points
 STUDY_SMS = tuple(range(1, 31))  # the paper's single-layer study: 1..30 comm SMs
 
 # probe → (unit, error kind, default tolerance). Tolerance scales a residual: an error of one
@@ -101,6 +110,11 @@ class Target:
     clocks_mhz: tuple[int, ...] = ()
     tolerance: float = 0.0
     source: str = ""
+    registered: str = ""  # the split at pre-registration; empty: the same as `split`
+
+    @property
+    def registered_split(self) -> str:
+        return self.registered or self.split
 
     @property
     def error_kind(self) -> str:
@@ -155,6 +169,9 @@ def make_target(row: Mapping[str, Any], where: str) -> Target:
         raise KareusError(f"{where}: unit of probe {target.probe} must be {unit!r}, got {target.unit!r}")
     if target.split not in SPLITS:
         raise KareusError(f"{where}: split must be one of {', '.join(SPLITS)}, got {target.split!r}")
+    if target.registered not in ("", *SPLITS):
+        raise KareusError(f"{where}: registered must be one of {', '.join(SPLITS)} (or empty: the split), "
+                          f"got {target.registered!r}")
     if target.work not in WORKS:
         raise KareusError(f"{where}: work must be one of {', '.join(WORKS)}, got {target.work!r}")
     if not math.isfinite(target.value) or (target.error_kind == "relative" and target.value == 0):
@@ -165,14 +182,126 @@ def make_target(row: Mapping[str, Any], where: str) -> Target:
     return target
 
 
-def read_csv(path: str | Path) -> list[Target]:
-    """Targets from a CSV with the `Target` field names as header (`#` lines are comments)."""
+LABEL_CHANGE = "# label-change:"
+MODEL_CHOICE = "# model-choice:"
+
+
+@dataclass(frozen=True)
+class LabelChange:
+    """A row's split changed after its registration: when, from what to what, and why."""
+
+    date: str
+    row: str
+    from_split: str
+    to_split: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"date": self.date, "row": self.row, "from": self.from_split, "to": self.to_split,
+                "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """A decision about the model or the fit taken after results were seen (not a row's label)."""
+
+    date: str
+    subject: str
+    choice: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"date": self.date, "subject": self.subject, "choice": self.choice, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class TargetFile:
+    """A target file: its rows and the history of its labels and of the choices results informed."""
+
+    targets: tuple[Target, ...]
+    label_changes: tuple[LabelChange, ...] = ()
+    model_choices: tuple[ModelChoice, ...] = ()
+
+    def history(self) -> dict[str, list[dict[str, str]]]:
+        return {"label_changes": [c.to_dict() for c in self.label_changes],
+                "model_choices": [c.to_dict() for c in self.model_choices]}
+
+
+def _history_fields(line: str, prefix: str, where: str, count: int) -> list[str]:
+    parts = [part.strip() for part in line[len(prefix):].split(" | ")]
+    if len(parts) != count or not all(parts):
+        raise KareusError(f"{where}: a {prefix[2:-1]} line is 'DATE | ' followed by {count - 1} non-empty "
+                          f"fields separated by ' | ', got {line!r}")
     try:
-        lines = [line for line in Path(path).read_text().splitlines() if line.strip() and not line.startswith("#")]
+        datetime.date.fromisoformat(parts[0])
+    except ValueError:
+        raise KareusError(f"{where}: date must be YYYY-MM-DD, got {parts[0]!r}") from None
+    return parts
+
+
+def _label_change(line: str, where: str) -> LabelChange:
+    date, row, change, reason = _history_fields(line, LABEL_CHANGE, where, 4)
+    labels = [label.strip() for label in change.split("->")]
+    if len(labels) != 2 or not all(label in SPLITS for label in labels) or labels[0] == labels[1]:
+        raise KareusError(f"{where}: a label change is 'FROM -> TO' with two different splits of "
+                          f"{', '.join(SPLITS)}, got {change!r}")
+    return LabelChange(date, row, labels[0], labels[1], reason)
+
+
+def read_target_file(path: str | Path) -> TargetFile:
+    """A CSV with the `Target` field names as header (`#` lines are comments, except the history
+    lines `# label-change: DATE | ROW | FROM -> TO | REASON` and `# model-choice: DATE | SUBJECT |
+    CHOICE | REASON`); every row must name its split, and the labels must be as registered
+    (`check_preregistration`)."""
+    try:
+        text = Path(path).read_text()
     except OSError as error:
         raise KareusError(f"{path}: cannot read ({error.strerror or error})") from None
+    lines, numbers, changes, choices = [], [], [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith(LABEL_CHANGE):
+            changes.append(_label_change(line, f"{path}:{number}"))
+        elif line.startswith(MODEL_CHOICE):
+            choices.append(ModelChoice(*_history_fields(line, MODEL_CHOICE, f"{path}:{number}", 4)))
+        elif line.strip() and not line.startswith("#"):
+            lines.append(line)
+            numbers.append(number)
     rows = list(csv.DictReader(lines))
-    return [make_target(row, f"{path}:{index + 2}") for index, row in enumerate(rows)]
+    targets = []
+    for row, number in zip(rows, numbers[1:], strict=True):
+        where = f"{path}:{number}"
+        target = make_target(row, where)
+        if not row.get("split"):
+            raise KareusError(f"{where}: row {target.name!r} has no split; label every row "
+                              f"{' or '.join(SPLITS)} before fitting (pre-registration)")
+        targets.append(target)
+    check_preregistration(targets, changes, str(path))
+    return TargetFile(tuple(targets), tuple(changes), tuple(choices))
+
+
+def read_csv(path: str | Path) -> list[Target]:
+    """The targets of `read_target_file(path)`."""
+    return list(read_target_file(path).targets)
+
+
+def check_preregistration(targets: Sequence[Target], changes: Sequence[LabelChange] = (), where: str = "calibrate"
+                          ) -> None:
+    """Refuse a fit on held-out rows: a row registered held-out is never fitted; a row whose label
+    is not its registered one needs a recorded change from that label to this one; a recorded
+    change must name a row of the file. One `KareusError` naming the row."""
+    names = {t.name for t in targets}
+    for change in changes:
+        if change.row not in names:
+            raise KareusError(f"{where}: label change of {change.row!r} ({change.date}) names no row of the file")
+    for t in targets:
+        if t.registered_split == "holdout" and t.split == "fit":
+            raise KareusError(f"{where}: row {t.name!r} is registered held-out; calibrate does not fit on "
+                              "held-out rows (its result has been seen): label it split=holdout")
+        if t.split != t.registered_split and not any(
+                c.row == t.name and c.from_split == t.registered_split and c.to_split == t.split for c in changes):
+            raise KareusError(f"{where}: row {t.name!r} was registered {t.registered_split} and is now {t.split}; "
+                              f"record the change as '{LABEL_CHANGE} DATE | {t.name} | "
+                              f"{t.registered_split} -> {t.split} | REASON'")
 
 
 # -- what the simulator predicts -----------------------------------------------------------------
@@ -299,7 +428,8 @@ class Row:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.target.name, "split": self.target.split, "probe": self.target.probe,
                 "unit": self.target.unit, "target": self.target.value, "value": self.predicted,
-                "error": self.error, "error_kind": self.target.error_kind, "source": self.target.source}
+                "error": self.error, "error_kind": self.target.error_kind, "source": self.target.source,
+                "registered": self.target.registered_split}
 
 
 @dataclass(frozen=True)
@@ -310,6 +440,7 @@ class FitResult:
     fitted: dict[str, float]
     rows: tuple[Row, ...]
     evaluations: int
+    history: Mapping[str, Any] = field(default_factory=dict)  # the target file's (`TargetFile.history`)
 
     def errors(self, split: str, kind: str) -> list[float]:
         return [r.error for r in self.rows if r.target.split == split and r.target.error_kind == kind]
@@ -327,7 +458,7 @@ class FitResult:
 
     def to_fit_record(self) -> dict[str, Any]:
         return {"fitted": self.fitted, "evaluations": self.evaluations, **self.summary(),
-                "targets": [r.to_dict() for r in self.rows]}
+                "targets": [r.to_dict() for r in self.rows], **({"history": dict(self.history)} if self.history else {})}
 
 
 def parameter_bounds(name: str) -> tuple[float, float]:
@@ -365,11 +496,14 @@ def current_value(calibration: SimCalibration, name: str, gpu: str) -> float:
 
 
 def fit(targets: Sequence[Target], names: Sequence[str], start: SimCalibration | None = None, *,
-        max_evaluations: int = 400, on_evaluation: Callable[[int, float], None] | None = None) -> FitResult:
-    """Least squares with bounds over `names`, on the fit targets; every target is reported."""
+        max_evaluations: int = 400, on_evaluation: Callable[[int, float], None] | None = None,
+        history: Mapping[str, Any] | None = None) -> FitResult:
+    """Least squares with bounds over `names`, on the fit targets (never a row registered held-out);
+    every target is reported, and `history` (the target file's) goes into the fit record."""
     from scipy.optimize import least_squares
 
     start = start or SimCalibration()
+    check_preregistration(targets)
     fit_set = [t for t in targets if t.split == "fit"]
     holdout = [t for t in targets if t.split == "holdout"]
     if not fit_set:
@@ -408,15 +542,16 @@ def fit(targets: Sequence[Target], names: Sequence[str], start: SimCalibration |
     predicted = predict_all(calibration, targets)
     rows = tuple(Row(t, p, t.error(p)) for t, p in zip(targets, predicted, strict=True))
     fitted = {name: float(v) for name, v in zip(names, values, strict=True)}
-    result = FitResult(calibration, fitted, rows, evaluations)
+    result = FitResult(calibration, fitted, rows, evaluations, history or {})
     return replace(result, calibration=replace(calibration, fit=result.to_fit_record()))
 
 
-def evaluate(calibration: SimCalibration, targets: Sequence[Target]) -> FitResult:
+def evaluate(calibration: SimCalibration, targets: Sequence[Target],
+             history: Mapping[str, Any] | None = None) -> FitResult:
     """Every target's error under `calibration`, nothing fitted."""
     predicted = predict_all(calibration, targets)
     rows = tuple(Row(t, p, t.error(p)) for t, p in zip(targets, predicted, strict=True))
-    return FitResult(calibration, {}, rows, 1)
+    return FitResult(calibration, {}, rows, 1, history or {})
 
 
 def _denormalise(x: Sequence[float], bounds: Sequence[tuple[float, float]]) -> list[float]:
