@@ -126,7 +126,9 @@ def test_status_declares_what_the_operator_writes():
     assert props["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
     assert {"configMap", "predictedIterationSeconds", "predictedIterationJoules", "frontierPoints"} <= \
         set(props["plan"]["properties"])
-    assert {"iterations", "energyJoules", "averageIterationSeconds"} <= set(props["measured"]["properties"])
+    assert {"iterations", "energyJoules", "averageIterationSeconds", "percentComplete", "etaSeconds"} <= \
+        set(props["measured"]["properties"])
+    assert set(props["checkpoint"]["properties"]) == {"lastStep", "lastTime", "resumedFromStep"}
     assert {"key", "configMap"} <= set(props["profile"]["properties"])
     assert props["phase"]["enum"] == ["Pending", "Profiling", "Optimizing", "Training", "Succeeded", "Failed",
                                       "Suspended"]
@@ -135,7 +137,10 @@ def test_status_declares_what_the_operator_writes():
 def test_printer_columns():
     columns = CRD["spec"]["versions"][0]["additionalPrinterColumns"]
     default = [c["name"] for c in columns if not c.get("priority")]
-    assert default == ["Phase", "Objective", "Pred s/iter", "Pred J/iter", "Energy", "Age"]
+    assert default == ["Phase", "Objective", "Pred s/iter", "Pred J/iter", "Energy", "Done %", "ETA s", "Age"]
+    paths = {c["name"]: c["jsonPath"] for c in columns}
+    assert paths["Done %"] == ".status.measured.percentComplete"
+    assert paths["ETA s"] == ".status.measured.etaSeconds"
     assert any(c.get("priority") == 1 for c in columns)
     for column in columns:  # every column points at a declared field
         if column["jsonPath"] == ".metadata.creationTimestamp":

@@ -17,7 +17,9 @@ from kareus.spec.parse import (
 from kareus.spec.types import (
     DEFAULT_GPU_PRODUCT,
     DEFAULT_MANAGED_BY,
+    CheckpointSpec,
     CpuProxySpec,
+    DataSpec,
     EnergyBudget,
     EnvVar,
     JobSpec,
@@ -35,7 +37,9 @@ from kareus.spec.types import (
 __all__ = [
     "DEFAULT_GPU_PRODUCT",
     "DEFAULT_MANAGED_BY",
+    "CheckpointSpec",
     "CpuProxySpec",
+    "DataSpec",
     "EnergyBudget",
     "EnvVar",
     "FieldError",

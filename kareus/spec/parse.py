@@ -34,7 +34,9 @@ from kareus.spec.types import (
     EXPLICIT_REQUIRED,
     PROXY_FIELDS,
     SHAPE_FIELDS,
+    CheckpointSpec,
     CpuProxySpec,
+    DataSpec,
     EnergyBudget,
     EnvVar,
     JobSpec,
@@ -76,6 +78,9 @@ MAX_STEPS = 10**9
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 10000
 MAX_BACKOFF_LIMIT = 1000
+MAX_CHECKPOINTS_KEPT = 1000
+MAX_DATA_PATH_LENGTH = 4096
+DATA_FORMATS = ("npy", "bin", "megatron")
 OBJECTIVE_BOUNDS = {"maxSlowdownPercent": 1000.0, "iterationSeconds": 1e6, "perIterationJoules": 1e12,
                     "totalKilowattHours": 1e9}
 MAX_MEASUREMENT_SECONDS = 3600.0
@@ -361,11 +366,38 @@ def _read_training(train: Fields | None) -> TrainingSpec | None:
     env = _read_env(train)
     resources = _read_resources(train.mapping("resources")) if train.has("resources") else None
     cpu_proxy = _read_cpu_proxy(train.mapping("cpuProxy")) if train.has("cpuProxy") else None
+    checkpoint = _read_checkpoint(train.mapping("checkpoint")) if train.has("checkpoint") else None
+    data = _read_data(train.mapping("data")) if train.has("data") else None
     train.finish()
     if len(train.errors) > before:
         return None
     return TrainingSpec(image=image, steps=steps, gpus_per_node=gpus_per_node, nodes=nodes, command=command,
-                        args=args, env=env, resources=resources, cpu_proxy=cpu_proxy)
+                        args=args, env=env, resources=resources, cpu_proxy=cpu_proxy, checkpoint=checkpoint,
+                        data=data)
+
+
+def _read_checkpoint(ckpt: Fields | None) -> CheckpointSpec | None:
+    if ckpt is None:
+        return None
+    before = len(ckpt.errors)
+    every_steps = ckpt.integer("everySteps", maximum=MAX_STEPS)
+    keep = ckpt.integer("keep", None, maximum=MAX_CHECKPOINTS_KEPT)
+    claim_name = ckpt.string("claimName", None, max_length=253, pattern=DNS_SUBDOMAIN,
+                             hint=" (a PersistentVolumeClaim name)")
+    ckpt.finish()
+    return None if len(ckpt.errors) > before else CheckpointSpec(every_steps, keep, claim_name)
+
+
+def _read_data(data: Fields | None) -> DataSpec | None:
+    if data is None:
+        return None
+    before = len(data.errors)
+    data_path = data.string("path", max_length=MAX_DATA_PATH_LENGTH)
+    data_format = data.string("format", max_length=16, choices=DATA_FORMATS)
+    claim_name = data.string("claimName", None, max_length=253, pattern=DNS_SUBDOMAIN,
+                             hint=" (a PersistentVolumeClaim name)")
+    data.finish()
+    return None if len(data.errors) > before else DataSpec(data_path, data_format, claim_name)
 
 
 def _read_cpu_proxy(proxy: Fields | None) -> CpuProxySpec | None:
@@ -472,6 +504,27 @@ def cross_field_errors(spec: JobSpec, path: str = "spec") -> list[FieldError]:
                                  f"must equal training.nodes × training.gpusPerNode = {spec.num_gpus}"))
     if spec.training.cpu_proxy is not None:
         errors += _proxy_errors(spec, f"{path}.training.cpuProxy")
+    errors += _storage_errors(spec.training, f"{path}.training")
+    return errors
+
+
+def _storage_errors(training: TrainingSpec, path: str) -> list[FieldError]:
+    """A checkpoint interval longer than the run never saves; a data path is inside its claim
+    (relative, never climbing out) or, without one, absolute in the image."""
+    errors = []
+    ckpt, data = training.checkpoint, training.data
+    if ckpt is not None and ckpt.every_steps > training.steps:
+        errors.append(FieldError(f"{path}.checkpoint.everySteps", f"must be at most training.steps "
+                                 f"({training.steps}): a longer interval never saves, got {ckpt.every_steps}"))
+    if data is not None:
+        if data.claim_name is not None and data.path.startswith("/"):
+            errors.append(FieldError(f"{path}.data.path", "must be relative to the claim's root when "
+                                     f"claimName is set, got {data.path!r}"))
+        elif data.claim_name is None and not data.path.startswith("/"):
+            errors.append(FieldError(f"{path}.data.path", "must be absolute (a path in the training image) "
+                                     f"when no claimName is set, got {data.path!r}"))
+        if ".." in data.path.split("/"):
+            errors.append(FieldError(f"{path}.data.path", f"must not contain a '..' segment, got {data.path!r}"))
     return errors
 
 

@@ -220,6 +220,35 @@ class CpuProxySpec:
 
 
 @dataclass(frozen=True)
+class CheckpointSpec:
+    """Checkpoints of the training run: every `every_steps` steps, the last `keep` of them kept (the
+    runtime's default when None), on the PersistentVolumeClaim `claim_name`, which the operator
+    mounts into the training pods. Without a claim nothing outlives a pod, so no checkpoint is kept."""
+
+    every_steps: int
+    keep: int | None = None
+    claim_name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({"everySteps": self.every_steps, "keep": self.keep, "claimName": self.claim_name})
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """The token corpus: `path` in `format` (`npy`, `bin`: a flat uint16/uint32 token file, or
+    `megatron`: Megatron-LM's indexed dataset, `path` its prefix of `.bin` + `.idx`). With
+    `claim_name` the path is relative to that PersistentVolumeClaim (mounted read-only into the
+    training pods); without it the path is absolute in the training image."""
+
+    path: str
+    format: str
+    claim_name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({"path": self.path, "format": self.format, "claimName": self.claim_name})
+
+
+@dataclass(frozen=True)
 class TrainingSpec:
     """The training pods: one per node, each with `gpus_per_node` GPUs, running `steps` iterations."""
 
@@ -232,6 +261,8 @@ class TrainingSpec:
     env: tuple[EnvVar, ...] = ()
     resources: ResourcesSpec | None = None
     cpu_proxy: CpuProxySpec | None = None
+    checkpoint: CheckpointSpec | None = None
+    data: DataSpec | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"image": self.image}
@@ -246,6 +277,10 @@ class TrainingSpec:
             out["resources"] = self.resources.to_dict()
         if self.cpu_proxy is not None:
             out["cpuProxy"] = self.cpu_proxy.to_dict()
+        if self.checkpoint is not None:
+            out["checkpoint"] = self.checkpoint.to_dict()
+        if self.data is not None:
+            out["data"] = self.data.to_dict()
         return out
 
 
