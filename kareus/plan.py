@@ -31,6 +31,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
+from kareus.compressed import MAX_PLAN_BYTES, DecompressError, gunzip
 from kareus.errors import KareusError
 from kareus.job import PlanJob
 from kareus.objective import parse_objective, select_point
@@ -311,9 +312,9 @@ class Plan:
         """Parse and validate a plan from JSON text or bytes, plain or gzip-compressed."""
         if isinstance(text, bytes) and text[:2] == GZIP_MAGIC:
             try:
-                text = gzip.decompress(text)
-            except (OSError, EOFError) as error:
-                raise PlanError([f"(document): not a valid gzip stream: {error}"], source) from None
+                text = gunzip(text, max_bytes=MAX_PLAN_BYTES, what="(document)")
+            except DecompressError as error:
+                raise PlanError([str(error)], source) from None
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -13,6 +13,9 @@ ConfigMap (key `policy.yaml`) that the operator reads with `load_policy`. The po
 - per-namespace energy budgets in kilowatt-hours;
 - whether profiles may be reused across jobs with the same profile key;
 - which namespaces may run KareusJobs at all (empty means every namespace);
+- what a job's `podTemplateOverrides` may add to its pods (`podTemplateOverrides`, see
+  `kareus.override_policy`: Pod Security `restricted`'s volume types by default, no system-*
+  PriorityClass, no toleration of every taint, no `LD_PRELOAD`/`PYTHONPATH`/`KAREUS_*` env);
 - a cluster power budget (`powerBudget`): watts for the whole cluster and/or per GPU product or
   node pool, within which the operator gives every running job a frontier point
   (`kareus.power_budget`).
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from kareus.errors import KareusError
+from kareus.override_policy import OverridePolicy, OverridePolicyError, load_override_policy
 
 if TYPE_CHECKING:
     from kareus.spec import JobSpec
@@ -44,7 +48,7 @@ OBJECTIVES: tuple[str, ...] = ("maxThroughput", "timeBudget", "energyBudget")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _TOP_KEYS = frozenset({
     "allowedObjectives", "defaultObjective", "maxSlowdownPercent", "clockBounds",
-    "namespaceEnergyBudgets", "profileReuse", "allowedNamespaces", "powerBudget",
+    "namespaceEnergyBudgets", "profileReuse", "allowedNamespaces", "powerBudget", "podTemplateOverrides",
 })
 _BOUNDS_KEYS = frozenset({"floorMHz", "ceilingMHz"})
 _CLOCK_KEYS = frozenset({"default", "gpuModels"})
@@ -129,6 +133,7 @@ class ClusterPolicy:
     profile_reuse: bool = True
     allowed_namespaces: frozenset[str] = frozenset()
     power_budget: PowerBudget = PowerBudget()
+    pod_overrides: OverridePolicy = field(default_factory=OverridePolicy)
 
     def namespace_allowed(self, namespace: str) -> bool:
         return not self.allowed_namespaces or namespace in self.allowed_namespaces
@@ -194,7 +199,15 @@ def load_policy(source: str | Mapping[str, Any] | None) -> ClusterPolicy:
         profile_reuse=_boolean(raw.get("profileReuse", True), "policy.profileReuse"),
         allowed_namespaces=_namespaces(raw.get("allowedNamespaces", [])),
         power_budget=_power_budget(raw.get("powerBudget", {})),
+        pod_overrides=_override_policy(raw.get("podTemplateOverrides")),
     )
+
+
+def _override_policy(raw: Any) -> OverridePolicy:
+    try:
+        return load_override_policy(raw)
+    except OverridePolicyError as error:
+        raise PolicyError(str(error)) from None
 
 
 def load_policy_file(path: str | Path) -> ClusterPolicy:

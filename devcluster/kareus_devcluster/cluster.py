@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from kareus.errors import KareusError
+from kareus.override_policy import RESTRICTED_VOLUME_TYPES
 from kareus_devcluster import dns
 from kareus_devcluster.controlplane import (
     REPO_ROOT,
@@ -234,6 +235,9 @@ class DevCluster(Started):
             "workers": {"namespaces": list(self.worker_namespaces if worker_namespaces is None else worker_namespaces),
                         # What a user with small nodes sets: many jobs' pods share this machine's memory.
                         "gpuPods": {"shmSize": "1Gi", "memoryRequest": "256Mi", "memoryLimit": "6Gi"}},
+            # The operator's test fakes share a host directory with the tests through a hostPath override,
+            # which the operator refuses unless the cluster policy lists the volume type.
+            "policy": {"podTemplateOverrides": {"volumeTypes": [*RESTRICTED_VOLUME_TYPES, "hostPath"]}},
             "nodeAgent": {"enabled": node_agent, "backend": "sim",
                           "sim": {"gpus": max(self.gpus_per_node, 1), "product": self.gpu_product,
                                   "deviceDir": SIM_GPU_DIR}},
@@ -290,7 +294,7 @@ class DevCluster(Started):
                              worker_namespaces=watch_namespaces, watch_namespaces=watch_namespaces, crds=False)
         values["operator"].update(operator_values or {})
         if policy is not None:
-            values["policy"] = dict(policy)
+            values["policy"] = {**values["policy"], **policy}
         return self.install(release, namespace, values)
 
     def add_node(self, *, gpus: int = 0, gpu_product: str | None = None, taint: bool = False) -> str:

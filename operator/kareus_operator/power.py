@@ -257,9 +257,8 @@ class PowerAllocator:
         cached = self._plans.get(key)
         if cached is not None and cached[0] == version:
             return cached[1]
-        text = plan_text(cm)
         try:
-            plan = Plan.loads(text or "", source=f"ConfigMap {cm['metadata']['name']}")
+            plan = Plan.loads(plan_text(cm) or "", source=f"ConfigMap {cm['metadata']['name']}")
         except (KareusError, ValueError, KeyError, TypeError) as error:  # validated: selected_row is a frontier row
             log.info("%s/%s: no usable frontier in its plan, not in the power allocation: %s", namespace, name, error)
             return None

@@ -31,7 +31,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kareus.compressed import MAX_PLAN_BYTES, DecompressError, gunzip
 from kareus.errors import EXIT_CONFIG, KareusError
+from kareus.override_policy import check_overrides
 from kareus.plan import Plan, reselect
 from kareus.policy import ClusterPolicy, check_job, load_policy
 from kareus.profiler.key import profile_key
@@ -42,7 +44,7 @@ from kareus_operator.conditions import Want
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
 from kareus_operator.publish import PROGRESS_KEY
-from kareus_operator.refusals import CONDITION_OF_ROLE, ChildRefused, backoff_s, classify
+from kareus_operator.refusals import CONDITION_OF_ROLE, ChildRefused, Refusal, backoff_s, classify
 from kareus_operator.settings import (
     ANNOTATION_PLAN_REVISION,
     LABEL_QUEUE,
@@ -415,7 +417,10 @@ class Reconciler:
     async def _optimize(self, p: _Pass, spec: JobSpec) -> bool:
         cm_name = mf.plan_configmap_name(p.name)
         plan_cm = await self._child(p, "configmaps", cm_name, "optimize")
-        text = plan_text(plan_cm)
+        try:
+            text = plan_text(plan_cm)
+        except DecompressError as error:
+            return self._fail(p, "InvalidPlan", str(error))
         job_name = mf.optimize_job_name(p.name)
         if text is None:
             child = await self._child(p, "jobs", job_name, "optimize")
@@ -447,6 +452,7 @@ class Reconciler:
         p.status.setdefault("trainingStartTime", iso(p.now))
         if child is None:
             await self._ensure_spec(p)
+            await self._check_overrides(p, spec, "train", mf.train_job_name(p.name))
             await self._ensure(mf.train_service(p.job))
             await self._ensure(mf.train_job(p.job, spec, self.settings))
             p.want("Training", True, "Starting", f"created the Indexed Job {job_name} ({spec.training.nodes} pod(s))")
@@ -577,6 +583,7 @@ class Reconciler:
         last words as the reason's message."""
         phase = child_phase(child)
         if child is None:
+            await self._check_overrides(p, spec, stage, f"{p.name}-{stage}")
             await self._ensure(build())
             return "Pending"
         # The Job controller's failed pods are its retries, but for the last one when it gave up.
@@ -688,6 +695,16 @@ class Reconciler:
             raise StaleChild(existing, meta["labels"].get(LABEL_ROLE, ""))
         return existing
 
+    async def _check_overrides(self, p: _Pass, spec: JobSpec, role: str, name: str) -> None:
+        """The job's overrides for `role`, refused before the child exists when the cluster policy
+        (or Pod Security `restricted`, which it defaults to) would not have them — in any namespace,
+        whatever its own Pod Security label: the profiling and optimizing pods write what other
+        jobs trust."""
+        refusals = check_overrides((await self.policy()).pod_overrides, spec.pod_overrides, role)
+        if refusals:
+            raise ChildRefused("Job", name, role, Refusal("OverrideRefused", "; ".join(r.text() for r in refusals),
+                                                          retryable=False), by="the operator")
+
     async def _ensure_spec(self, p: _Pass) -> None:
         """The job manifest the pods read; updated when the spec changed before training started."""
         body = mf.spec_configmap(p.job)
@@ -702,15 +719,23 @@ class Reconciler:
 
 def plan_text(cm: Mapping[str, Any] | None) -> str | None:
     """The plan document a plan ConfigMap holds: gzip-compressed in `binaryData` (a plan for
-    PP16 × 256 microbatches is megabytes of JSON, over a ConfigMap's 1 MiB), or plain in `data`."""
+    PP16 × 256 microbatches is megabytes of JSON, over a ConfigMap's 1 MiB), or plain in `data`.
+    A malformed or oversized `binaryData` raises DecompressError naming the ConfigMap."""
     if cm is None:
         return None
     packed = (cm.get("binaryData") or {}).get(PLAN_FILE_GZ)
     if packed is not None:
+        # The pod that wrote it runs the tenant's image: expanded under a cap, never unbounded.
+        what = f"ConfigMap {(cm.get('metadata') or {}).get('name', '')} binaryData.{PLAN_FILE_GZ}"
         try:
-            return gzip.decompress(base64.b64decode(packed)).decode()
-        except (ValueError, OSError, EOFError) as error:
-            return json.dumps({"invalid": f"{PLAN_FILE_GZ} is not gzip-compressed base64 ({error})"})
+            raw = base64.b64decode(packed, validate=True)
+        except ValueError as error:
+            raise DecompressError(f"{what}: not base64 ({error})") from None
+        text = gunzip(raw, max_bytes=MAX_PLAN_BYTES, what=what)
+        try:
+            return text.decode()
+        except UnicodeDecodeError as error:
+            raise DecompressError(f"{what}: not UTF-8 text ({error})") from None
     return (cm.get("data") or {}).get(PLAN_FILE)
 
 

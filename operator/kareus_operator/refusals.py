@@ -51,18 +51,18 @@ def classify(error: ApiError) -> Refusal:
 
 
 class ChildRefused(Exception):
-    """A child the job needs was refused by the API server."""
+    """A child the job needs was refused by the API server (or by the operator's own checks)."""
 
-    def __init__(self, kind: str, name: str, role: str, refusal: Refusal) -> None:
+    def __init__(self, kind: str, name: str, role: str, refusal: Refusal, *, by: str = "the API server") -> None:
         super().__init__(f"{kind} {name}: {refusal.reason}: {refusal.message}")
-        self.kind, self.name, self.role, self.refusal = kind, name, role, refusal
+        self.kind, self.name, self.role, self.refusal, self.by = kind, name, role, refusal, by
 
     @property
     def condition(self) -> str:
         return CONDITION_OF_ROLE.get(self.role, "Profiled")
 
     def text(self) -> str:
-        return f"the API server refused {self.kind} {self.name}: {self.refusal.message}"
+        return f"{self.by} refused {self.kind} {self.name}: {self.refusal.message}"
 
 
 def backoff_s(attempt: int, base_s: float = 1.0) -> float:
