@@ -44,6 +44,7 @@ from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, load_tokens
 from kareus.runtime.energy import EnergyAttributionError, MeasuredEnergy, SimulatedEnergy, TwinEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
+from kareus.runtime.gradsync import all_reduce_bucketed
 from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
 from kareus.runtime.model import StageLayout, StageModel
 from kareus.runtime.parallel import DistContext, Layout, NodeGroup, init_distributed, shutdown, spawn_local
@@ -520,19 +521,14 @@ def _optimizer(config: TrainConfig, model: StageModel) -> torch.optim.Optimizer:
 
 
 def _sync_gradients(ctx: DistContext, model: StageModel) -> None:
-    """Sum gradients over the data- and context-parallel replicas (one flat buffer) and tied
+    """Sum gradients over the data- and context-parallel replicas (bucket by bucket) and tied
     embeddings over the pipeline ends."""
     params = list(model.parameters())
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if ctx.grad_group is not None:
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=ctx.grad_group)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        all_reduce_bucketed([p.grad for p in params], ctx.grad_group)
     if ctx.end_group is not None and model.shape.tied_embeddings:
         dist.all_reduce(model.param("embedding").grad, group=ctx.end_group)
 
