@@ -10,8 +10,10 @@ the daemon fails closed.
 - `KubeletAuthorizer` (Unix socket): kernel peer credentials → pid → `/proc/<pid>/cgroup` → pod
   UID → the pod's GPUs.
 - `TokenAuthorizer` (TCP): the projected ServiceAccount token the client's `hello` carried
-  (audience `kareus-node`) → the API server's TokenReview → the pod the token is bound to → the
-  pod's GPUs. No cgroup, no hostPath: what a pod admitted under Pod Security `restricted` can offer.
+  (audience `kareus-node`) → its signature checked locally (`jwks.TokenVerifier`) → the API
+  server's TokenReview (good answers cached by the token's hash) → the pod the token is bound to,
+  which must be the connection's peer address (`status.podIPs`) → the pod's GPUs. No cgroup, no
+  hostPath: what a pod admitted under Pod Security `restricted` can offer.
 - Both share `PodAuthorizer._grant_for_pod`: pod UID → (API server) namespace/name on this node →
   (pod-resources) the GPUs allocated to that pod. Refused: pods not on this node, pods in
   namespaces the policy does not allow, GPUs the pod was not allocated, GPUs allocated as
@@ -24,8 +26,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import ipaddress
 import json
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -36,10 +41,10 @@ from typing import Any
 import yaml
 
 from kareus_node.config import ConfigError, NodeConfig
-from kareus_node.identity import PeerCredentials, pod_uid_of
+from kareus_node.identity import PeerCredentials, peer_pidfd, pinned_pod_uid, pod_uid_of
 from kareus_node.kubeapi import KubeAPI, KubeAPIUnavailable
 from kareus_node.podresources import PodResourcesClient, PodResourcesUnavailable
-from kareus_node.pods import PodDirectory, PodDirectoryUnavailable
+from kareus_node.pods import PodDirectory, PodDirectoryUnavailable, PodRef
 
 HOLDERS_MAX_AGE_S = 1.0  # the probe before every re-check round always asks afresh
 
@@ -52,6 +57,7 @@ NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"  # set by API servers
 SERVICEACCOUNT_USER_PREFIX = "system:serviceaccount:"
 MAX_TOKEN_BYTES = 16 * 1024  # a ServiceAccount JWT is ~1 KiB; anything far larger is not one
 CLOCK_SKEW_S = 60.0  # the early expiry refusal leaves the node's clock this much leeway over the API server's
+MAX_CACHED_REVIEWS = 4096
 
 
 class AuthUnavailable(Exception):
@@ -83,9 +89,11 @@ class Owner:
 
 @dataclass(frozen=True)
 class BearerToken:
-    """A TCP caller's credential: the token its `hello` carried (kept out of every repr and log)."""
+    """A TCP caller's credential: the token its `hello` carried (kept out of every repr and log)
+    and the address the connection came from ("" when unknown: not checked)."""
 
     token: str = field(repr=False)
+    peer_ip: str = ""
 
 
 Credentials = PeerCredentials | BearerToken
@@ -121,6 +129,10 @@ class Authorizer(ABC):
         """Raise AuthUnavailable when authorisation facts cannot be established right now."""
         return None  # an allow-list is always available
 
+    def identify(self, peer: PeerCredentials, sock: Any) -> PeerCredentials:
+        """A Unix-socket peer's credentials as fixed at accept time (`sock` is its socket)."""
+        return peer
+
 
 class PodAuthorizer(Authorizer):
     """The part shared by the cluster authorizers: a pod, by UID, on this node → its GPUs."""
@@ -137,9 +149,11 @@ class PodAuthorizer(Authorizer):
             raise AuthUnavailable(str(error)) from None
 
     def _grant_for_pod(self, caller: Owner, pod_uid: str, gpu_uuids: Sequence[str], *,
-                       expected: tuple[str, str] | None = None, reviewed_at: float = 0.0) -> Grant:
+                       expected: tuple[str, str] | None = None, reviewed_at: float = 0.0,
+                       peer_ip: str = "") -> Grant:
         """The grant of pod `pod_uid` for `caller` (its pid/uid); `expected` is the namespace/name
-        another source (a token) claims for that UID, which the API server's answer must match."""
+        another source (a token) claims for that UID, which the API server's answer must match;
+        `peer_ip`, when given, must be one of the pod's addresses."""
         try:
             pod = self._pods.lookup(pod_uid)
             holders = self._pod_resources.gpu_holders(max_age_s=HOLDERS_MAX_AGE_S)
@@ -156,6 +170,10 @@ class PodAuthorizer(Authorizer):
         if not self._config.namespace_allowed(pod.namespace):
             return _refuse_all(owner, gpu_uuids, f"namespace {pod.namespace} is not allowed by the node policy",
                                reviewed_at=reviewed_at)
+        if peer_ip and not _peer_is_pod(peer_ip, pod):
+            return _refuse_all(owner, gpu_uuids, f"the connection comes from {peer_ip}, not from pod {pod.namespace}/"
+                               f"{pod.name}'s address ({', '.join(pod.ips) or 'none yet'}): a token is only good "
+                               f"from its own pod", reviewed_at=reviewed_at)
         refusals = {}
         for uuid in gpu_uuids:
             mine = [h for h in holders.get(uuid, []) if (h.namespace, h.pod) == (pod.namespace, pod.name)]
@@ -178,10 +196,14 @@ class KubeletAuthorizer(PodAuthorizer):
         super().__init__(config, pods, pod_resources)
         self._proc_root = proc_root
 
+    def identify(self, peer: PeerCredentials, sock: Any) -> PeerCredentials:
+        pidfd = peer_pidfd(sock, peer.pid)
+        return replace(peer, pod_uid=pinned_pod_uid(pidfd, peer.pid, proc_root=self._proc_root), pinned=True)
+
     def grant(self, caller: Credentials, gpu_uuids: Sequence[str]) -> Grant:
         if not isinstance(caller, PeerCredentials):
             return _refuse_all(Owner(0, -1), gpu_uuids, "this authorizer needs kernel peer credentials (Unix socket)")
-        pod_uid = pod_uid_of(caller.pid, proc_root=self._proc_root)
+        pod_uid = caller.pod_uid if caller.pinned else pod_uid_of(caller.pid, proc_root=self._proc_root)
         if pod_uid is None:
             return _refuse_all(Owner(caller.pid, caller.uid), gpu_uuids, f"caller pid {caller.pid} is not in a Kubernetes pod")
         return self._grant_for_pod(Owner(caller.pid, caller.uid), pod_uid, gpu_uuids)
@@ -215,50 +237,89 @@ class TokenAuthorizer(PodAuthorizer):
     re-checked on every round regardless."""
 
     def __init__(self, config: NodeConfig, pods: PodDirectory, pod_resources: PodResourcesClient, api: KubeAPI, *,
-                 node_name: str, audience: str = TOKEN_AUDIENCE, review_interval_s: float | None = None) -> None:
+                 node_name: str, audience: str = TOKEN_AUDIENCE, review_interval_s: float | None = None,
+                 verifier: Any = None) -> None:
         super().__init__(config, pods, pod_resources)
         self._api = api
         self._node_name = node_name
         self._audience = audience
         self._review_interval_s = config.token_review_s if review_interval_s is None else review_interval_s
+        self._verifier = verifier  # a jwks.TokenVerifier; None: the TokenReview alone decides
+        self._reviews: dict[str, tuple[TokenIdentity, float]] = {}  # sha256(token) → (identity, good until)
+        self._reviews_lock = threading.Lock()
+        self.reviews_posted = 0
 
     def grant(self, caller: Credentials, gpu_uuids: Sequence[str]) -> Grant:
         token = caller.token if isinstance(caller, BearerToken) else ""
+        peer_ip = caller.peer_ip if isinstance(caller, BearerToken) else ""
         reviewed_at = time.monotonic()
         identity, reason = self.review(token)
         if identity is None:
             return _refuse_all(Owner(0, -1), gpu_uuids, reason, reviewed_at=reviewed_at)
         return self._grant_for_pod(Owner(0, -1), identity.pod_uid, gpu_uuids,
-                                   expected=(identity.namespace, identity.pod), reviewed_at=reviewed_at)
+                                   expected=(identity.namespace, identity.pod), reviewed_at=reviewed_at,
+                                   peer_ip=peer_ip)
 
     def recheck(self, grant: Grant, gpu_uuids: Sequence[str], caller: Credentials | None = None) -> Grant:
         owner = grant.owner
         if not owner.pod_uid:
             return grant  # refused at connect; stays refused
         reviewed_at = grant.reviewed_at
+        peer_ip = caller.peer_ip if isinstance(caller, BearerToken) else ""
         if time.monotonic() - reviewed_at >= self._review_interval_s:
             reviewed_at = time.monotonic()
-            identity, reason = self.review(caller.token if isinstance(caller, BearerToken) else "")
+            identity, reason = self.review(caller.token if isinstance(caller, BearerToken) else "", cached=False)
             if identity is None:
                 return _refuse_all(owner, gpu_uuids, reason, reviewed_at=reviewed_at)
             if identity.pod_uid != owner.pod_uid:
                 return _refuse_all(owner, gpu_uuids, f"the connection's token now names pod {identity.namespace}/"
                                    f"{identity.pod}, not {owner.namespace}/{owner.pod}", reviewed_at=reviewed_at)
         fresh = self._grant_for_pod(Owner(0, -1), owner.pod_uid, gpu_uuids, expected=(owner.namespace, owner.pod),
-                                    reviewed_at=reviewed_at)
+                                    reviewed_at=reviewed_at, peer_ip=peer_ip)
         return fresh
 
-    def review(self, token: str) -> tuple[TokenIdentity | None, str]:
+    def review(self, token: str, *, cached: bool = True) -> tuple[TokenIdentity | None, str]:
         """(identity, "") for a valid bound token of this audience, else (None, why not);
-        raises AuthUnavailable when the API server cannot answer (fail closed)."""
+        raises AuthUnavailable when the API server cannot answer (fail closed). A good answer is
+        reused for `review_interval_s` (never past the token's expiry) unless `cached` is False."""
         if not token:
             return None, (f"no token: a TCP connection must send hello with token, a projected ServiceAccount token "
                           f"with audience {self._audience} (pods mount it at {TOKEN_PATH})")
         shape = _unverified_claims_problem(token, self._audience)
         if shape:  # refused without asking the API server: garbage must not cost it a request
             return None, f"token refused: {shape}"
+        key = hashlib.sha256(token.encode()).hexdigest()
+        with self._reviews_lock:
+            hit = self._reviews.get(key)
+        if cached and hit is not None and time.monotonic() < hit[1]:
+            return hit[0], ""
+        if self._verifier is not None:
+            problem = self._verifier.problem(token)
+            if problem:
+                return None, f"token refused: {problem}"
+        identity, reason = self._post_review(token)
+        with self._reviews_lock:
+            self._reviews.pop(key, None)
+            if identity is not None and self._review_interval_s > 0:
+                self._remember(key, identity, token)
+        return identity, reason
+
+    def _remember(self, key: str, identity: TokenIdentity, token: str) -> None:
+        until = time.monotonic() + self._review_interval_s
+        expiry = _unverified_expiry(token)
+        if expiry is not None:
+            until = min(until, time.monotonic() + expiry - time.time())
+        now = time.monotonic()
+        for old in [k for k, (_, good_until) in self._reviews.items() if good_until <= now]:
+            del self._reviews[old]
+        while len(self._reviews) >= MAX_CACHED_REVIEWS:
+            del self._reviews[next(iter(self._reviews))]
+        self._reviews[key] = (identity, until)
+
+    def _post_review(self, token: str) -> tuple[TokenIdentity | None, str]:
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                 "spec": {"token": token, "audiences": [self._audience]}}
+        self.reviews_posted += 1
         try:
             answer = self._api.post(TOKEN_REVIEW_PATH, body)
         except KubeAPIUnavailable as error:
@@ -348,6 +409,37 @@ def _refuse_all(owner: Owner, gpu_uuids: Sequence[str], reason: str, *, reviewed
 def _first(values: Any) -> str:
     """The single value of a TokenReview `extra` entry (a list of strings)."""
     return str(values[0]) if isinstance(values, list) and values else ""
+
+
+def _peer_is_pod(peer_ip: str, pod: PodRef) -> bool:
+    """Whether a TCP connection from `peer_ip` can be pod `pod`'s. A hostNetwork pod shares the
+    node's addresses, loopback included, so for it this tells the node from elsewhere, not one
+    node process from another (docs/node-daemon.md, threat model)."""
+    try:
+        peer = ipaddress.ip_address(peer_ip)
+    except ValueError:
+        return False
+    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped:
+        peer = peer.ipv4_mapped
+    if pod.host_network and peer.is_loopback:
+        return True
+    return any(_same_ip(peer, ip) for ip in pod.ips)
+
+
+def _same_ip(peer: Any, text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text) == peer
+    except ValueError:
+        return False
+
+
+def _unverified_expiry(token: str) -> float | None:
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=" * (-len(token.split(".")[1]) % 4)))
+    except (binascii.Error, ValueError, IndexError):
+        return None
+    expiry = claims.get("exp") if isinstance(claims, dict) else None
+    return float(expiry) if isinstance(expiry, (int, float)) and not isinstance(expiry, bool) else None
 
 
 def _unverified_claims_problem(token: str, audience: str) -> str:

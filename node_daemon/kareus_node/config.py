@@ -10,9 +10,17 @@ The file is YAML; every key is optional and an unknown key is an error naming it
         NVIDIA-A100-SXM4-40GB: {floorMHz: 1005, ceilingMHz: 1410}
     podRecheckSeconds: 5          # how often leases are re-checked against the kubelet
     tokenReviewSeconds: 60        # how often a TCP caller's token is re-reviewed (TokenReview) during a re-check
-    maxConnections: 64            # more concurrent clients are turned away
+    maxConnections: 64            # authenticated sessions (Unix socket + TCP after hello); more are turned away
+    reservedUnixConnections: 8    # of those, kept for the Unix socket (default: an eighth); TCP may take the rest only
+    maxConnectionsPerPod: 16      # authenticated sessions of one pod (or, outside pods, one uid)
+    maxPendingConnections: 16     # TCP connections that have not authenticated yet (a separate pool)
+    maxPendingPerPeer: 4          # of those, from one IP address
+    helloRatePerSecond: 5         # hellos one IP may send per second (burst: twice that)
+    idleTimeoutSeconds: 120       # a session without leases that sends nothing this long is closed
+    defaultFloorFraction: 0       # without a policy floor for a model: the floor is this share of its top clock (0: none)
     requestTimeoutSeconds: 5      # a frame must arrive completely within this
     maxScheduleLength: 4096       # entries in one uploaded clock schedule
+    metricsMaxConnections: 16     # concurrent connections to the metrics/health HTTP server
 
 `clockBounds` and `allowedNamespaces` are parsed by `kareus.policy`, so the operator (which keeps
 plans inside the same bounds) and the daemon (which refuses anything outside) cannot disagree.
@@ -36,10 +44,17 @@ _LIMIT_KEYS = {
     "podRecheckSeconds": ("pod_recheck_s", float),
     "tokenReviewSeconds": ("token_review_s", float),
     "maxConnections": ("max_connections", int),
+    "reservedUnixConnections": ("reserved_unix_connections", int),
+    "maxConnectionsPerPod": ("max_connections_per_pod", int),
+    "maxPendingConnections": ("max_pending_connections", int),
+    "maxPendingPerPeer": ("max_pending_per_peer", int),
+    "helloRatePerSecond": ("hello_rate_per_s", float),
+    "idleTimeoutSeconds": ("idle_timeout_s", float),
+    "metricsMaxConnections": ("metrics_max_connections", int),
     "requestTimeoutSeconds": ("request_timeout_s", float),
     "maxScheduleLength": ("max_schedule_length", int),
 }
-_KEYS = frozenset({"dryRun", *_POLICY_KEYS, *_LIMIT_KEYS})
+_KEYS = frozenset({"dryRun", "defaultFloorFraction", *_POLICY_KEYS, *_LIMIT_KEYS})
 
 
 class ConfigError(KareusError):
@@ -55,8 +70,23 @@ class NodeConfig:
     pod_recheck_s: float = 5.0
     token_review_s: float = 60.0
     max_connections: int = 64
+    reserved_unix_connections: int | None = None  # None: an eighth of max_connections
+    max_connections_per_pod: int = 16
+    max_pending_connections: int = 16
+    max_pending_per_peer: int = 4
+    hello_rate_per_s: float = 5.0
+    idle_timeout_s: float = 120.0
+    default_floor_fraction: float = 0.0
     request_timeout_s: float = 5.0
     max_schedule_length: int = 4096
+    metrics_max_connections: int = 16
+
+    @property
+    def unix_reserve(self) -> int:
+        """Authenticated slots only the Unix socket may take."""
+        if self.reserved_unix_connections is None:
+            return self.max_connections // 8
+        return self.reserved_unix_connections
 
     def namespace_allowed(self, namespace: str) -> bool:
         return self.policy.namespace_allowed(namespace)
@@ -91,7 +121,15 @@ def parse_config(raw: Any, *, source: str = "config") -> NodeConfig:
     except PolicyError as error:
         raise ConfigError(f"{source}: {error}") from None
     limits = {attr: _positive(raw[key], kind, f"{source}: {key}") for key, (attr, kind) in _LIMIT_KEYS.items() if key in raw}
-    return NodeConfig(dry_run=dry_run, policy=policy, **limits)
+    fraction = raw.get("defaultFloorFraction", 0.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction <= 1:
+        raise ConfigError(f"{source}: defaultFloorFraction: must be a share of the top clock from 0 (no floor) "
+                          f"to 1, got {fraction!r}")
+    config = NodeConfig(dry_run=dry_run, policy=policy, default_floor_fraction=float(fraction), **limits)
+    if config.unix_reserve >= config.max_connections:
+        raise ConfigError(f"{source}: reservedUnixConnections: must be less than maxConnections "
+                          f"({config.max_connections}), got {config.unix_reserve}")
+    return config
 
 
 def _positive(value: Any, kind: type, where: str) -> Any:

@@ -1,7 +1,11 @@
 """Who is calling: the kernel-vouched credentials of a Unix-socket peer and the pod it runs in.
 
 `peer_credentials` asks the kernel (SO_PEERCRED) for the pid, uid and gid of the process that
-connected; a client cannot lie about them. `pod_uid_of(pid)` reads `/proc/<pid>/cgroup` (below a
+connected; a client cannot lie about them. A pid is only a number, which the kernel hands to a new
+process once the old one exited, so the pod is read at accept time through a *pidfd* — the
+socket's own (SO_PEERPIDFD, Linux ≥ 6.5) or one opened on the pid — and kept only if that process
+had not exited by the end of the read (`pinned_pod_uid`); the session's identity then stays what it
+was at accept, whatever later happens to the number. `pod_uid_of(pid)` reads `/proc/<pid>/cgroup` (below a
 configurable proc root, so tests can supply a fake one) and finds the pod UID in the kubelet's
 cgroup naming, which comes in several spellings:
 
@@ -26,12 +30,14 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import select
 import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 _UCRED = struct.Struct("3i")
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5
 _POD_UID = re.compile(
     r"kubepods.*?pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})(?:\.slice|/|$)",
     re.MULTILINE,
@@ -45,11 +51,41 @@ class PeerCredentials:
     pid: int
     uid: int
     gid: int
+    pod_uid: str | None = None  # the pod read at accept (None: none, or not read)
+    pinned: bool = False  # the pod was read at accept: later reads of the pid must not replace it
 
 
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return PeerCredentials(*_UCRED.unpack(raw))
+
+
+def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
+    """A pidfd of the socket's peer: the kernel's (exact), else one opened on `pid` now (the peer,
+    unless it already exited and the pid was reused in the instants since connect); None when the
+    process is gone."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4)
+        return struct.unpack("i", raw)[0]
+    except OSError:
+        pass
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+
+def pinned_pod_uid(pidfd: int | None, pid: int, *, proc_root: str | Path = "/proc") -> str | None:
+    """The pod of process `pid`, read while `pidfd` proves it is still that process: a pidfd turns
+    readable when its process exits, after which the pid (and its /proc entry) may be another's."""
+    if pidfd is None:
+        return None
+    try:
+        uid = pod_uid_of(pid, proc_root=proc_root)
+        exited, _, _ = select.select([pidfd], [], [], 0)
+        return None if exited else uid
+    finally:
+        os.close(pidfd)
 
 
 def pod_uid_from_cgroup(text: str) -> str | None:

@@ -5,7 +5,8 @@ authorizer (the kubelet's view, or `--standalone` with an allow-list; with `--li
 TokenReview one for TCP callers), the journal in `--state-dir`, the policy file, the metrics
 endpoint — restores what a previous instance left locked, then serves until SIGTERM/SIGINT, when
 it resets every GPU it still holds.
-Once serving it prints one line: ``kareus-node: serving socket=… tcp=host:port metrics=http://host:port …``.
+Once serving it prints one line: ``kareus-node: serving socket=… tcp=host:port metrics=http://host:port
+health=http://127.0.0.1:port …``. The health server (the kubelet's probes) listens on localhost only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kareus import incluster as in_cluster
 from kareus.errors import KareusError
 from kareus.gpu import BACKENDS, discover
 from kareus_node.auth import (
+    TOKEN_AUDIENCE,
     Authorizer,
     KubeletAuthorizer,
     StandaloneAuthorizer,
@@ -35,7 +37,10 @@ from kareus_node.auth import (
 from kareus_node.config import NodeConfig, load_config
 from kareus_node.identity import enter_host_cgroup_namespace
 from kareus_node.journal import Journal, JournalError
+from kareus_node.jwks import TokenVerifier
+from kareus_node.kubeapi import KubeAPI
 from kareus_node.metrics import DaemonMetrics, serve_http
+from kareus_node.metrics_auth import MetricsAuthorizer
 from kareus_node.podresources import DEFAULT_SOCKET, PodResourcesClient
 from kareus_node.pods import PodDirectory
 from kareus_node.server import Daemon
@@ -45,6 +50,8 @@ log = logging.getLogger("kareus_node")
 DEFAULT_DAEMON_SOCKET = "/run/kareus/node.sock"
 DEFAULT_STATE_DIR = "/var/lib/kareus-node"
 DEFAULT_METRICS_PORT = 9402
+DEFAULT_HEALTH_PORT = 0  # a free port; the chart sets a fixed one for its probes
+HEALTH_ADDRESS = "127.0.0.1"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--proc-root", default="/proc", help="where to read /proc/<pid>/cgroup (hostPID)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address of the metrics endpoint")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="0 picks a free port")
+    parser.add_argument("--metrics-auth", choices=("none", "tokenreview"), default="none",
+                        help="tokenreview: /metrics needs a bearer token whose user RBAC lets get /metrics")
+    parser.add_argument("--health-port", type=int, default=DEFAULT_HEALTH_PORT,
+                        help="/healthz and /readyz on 127.0.0.1 for the kubelet's probes (default 0: a free port)")
     parser.add_argument("--log-format", choices=("json", "text"), default="text")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
@@ -113,11 +124,20 @@ async def _run(args: argparse.Namespace) -> int:
         log.warning("reset %d GPU(s) left locked by a previous daemon: %s", len(restored), ", ".join(restored))
     daemon.start_workers()
     metrics.watch(daemon)
+    ready = lambda: daemon.ready and daemon.auth_healthy  # noqa: E731
+    authorize = _metrics_authorizer(args) if args.metrics_auth == "tokenreview" else None
     try:
-        http = serve_http(args.metrics_address, args.metrics_port, metrics,
-                          lambda: daemon.ready and daemon.auth_healthy)
+        http = serve_http(args.metrics_address, args.metrics_port, metrics, ready,
+                          max_connections=config.metrics_max_connections, authorize=authorize)
     except OSError as error:
         raise KareusError(f"--metrics-port {args.metrics_port}: cannot listen on {args.metrics_address} "
+                          f"({error.strerror or error})") from None
+    try:
+        health = serve_http(HEALTH_ADDRESS, args.health_port, metrics, ready, max_connections=4,
+                            paths=("/healthz", "/readyz"))
+    except OSError as error:
+        http.shutdown()
+        raise KareusError(f"--health-port {args.health_port}: cannot listen on {HEALTH_ADDRESS} "
                           f"({error.strerror or error})") from None
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -128,7 +148,8 @@ async def _run(args: argparse.Namespace) -> int:
         host, port = http.server_address[:2]
         mode = "standalone" if args.standalone else "kubelet"
         tcp = f" tcp={_format_host_port(*daemon.tcp_address)}" if daemon.tcp_address else ""
-        print(f"kareus-node: serving socket={args.socket}{tcp} metrics=http://{host}:{port} gpus={len(gpus)} "
+        print(f"kareus-node: serving socket={args.socket}{tcp} metrics=http://{host}:{port} "
+              f"health=http://{HEALTH_ADDRESS}:{health.server_address[1]} gpus={len(gpus)} "
               f"mode={mode} dry_run={str(config.dry_run).lower()}", flush=True)
 
     try:
@@ -140,6 +161,7 @@ async def _run(args: argparse.Namespace) -> int:
     finally:
         heartbeat.cancel()
         http.shutdown()
+        health.shutdown()
     log.info("stopped; every GPU this daemon held is back at default clocks")
     return 0
 
@@ -161,13 +183,22 @@ def _authorizers(args: argparse.Namespace, config: NodeConfig, gpus: list) -> tu
     api_url = args.kube_api or in_cluster.api_url()
     if not api_url:
         raise KareusError("no Kubernetes API server: run in a pod, pass --kube-api URL, or use --standalone")
-    pods = PodDirectory(api_url, args.node_name)
+    pods = PodDirectory(api_url, args.node_name, max_age_s=config.pod_recheck_s)
     # The device plugin may name GPUs by NVML index instead of UUID (DEVICE_ID_STRATEGY=index).
     pod_resources = PodResourcesClient(args.pod_resources_socket, gpu_index={gpu.index: gpu.uuid for gpu in gpus})
     kubelet = KubeletAuthorizer(config, pods, pod_resources, proc_root=args.proc_root)
     if not args.listen_tcp:
         return kubelet, None
-    return kubelet, TokenAuthorizer(config, pods, pod_resources, pods.api, node_name=args.node_name)
+    verifier = TokenVerifier(pods.api, audience=TOKEN_AUDIENCE)
+    return kubelet, TokenAuthorizer(config, pods, pod_resources, pods.api, node_name=args.node_name,
+                                    verifier=verifier)
+
+
+def _metrics_authorizer(args: argparse.Namespace) -> MetricsAuthorizer:
+    api_url = args.kube_api or in_cluster.api_url()
+    if not api_url:
+        raise KareusError("--metrics-auth tokenreview: no Kubernetes API server (run in a pod or pass --kube-api URL)")
+    return MetricsAuthorizer(KubeAPI(api_url))
 
 
 def _host_port(text: str) -> tuple[str, int]:

@@ -7,6 +7,13 @@ the server. Everything lives in the daemon's own registry, not prometheus-client
 
 `/metrics` serves the registry, `/healthz` says the event loop is alive, `/readyz` says the
 socket is being served and authorisation facts can be established (fail closed otherwise).
+
+The HTTP servers are bounded: at most `max_connections` connections are served at once (one
+thread each; more are closed at accept), and a connection that does not complete its request
+within `timeout_s` is dropped, so idle sockets cannot pile up threads. The kubelet's probes go to a
+second server of their own on localhost (`--health-port`), which nobody off the node can reach or
+fill. `/metrics` may require a bearer token (`authorize`, e.g. `metrics_auth.MetricsAuthorizer`):
+it names every GPU's pod, job and power, which is not every tenant's business.
 """
 
 from __future__ import annotations
@@ -83,14 +90,54 @@ class DaemonMetrics:
         self.heartbeat_s = time.monotonic()
 
 
-def serve_http(address: str, port: int, metrics: DaemonMetrics, ready: Callable[[], bool]) -> ThreadingHTTPServer:
-    """Start /metrics, /healthz, /readyz on (address, port) in a thread; port 0 picks a free one."""
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, but at most `max_connections` of them; the surplus is closed at accept."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, *, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.turned_away = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.turned_away += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def serve_http(address: str, port: int, metrics: DaemonMetrics, ready: Callable[[], bool], *,
+               max_connections: int = 16, timeout_s: float = 5.0,
+               authorize: Callable[[str], str] | None = None, paths: tuple[str, ...] = ("/metrics", "/healthz", "/readyz"),
+               ) -> ThreadingHTTPServer:
+    """Start `paths` (of /metrics, /healthz, /readyz) on (address, port) in a thread; port 0 picks a
+    free one. `authorize(authorization_header)` says why a /metrics request is refused ("": allowed)."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = timeout_s  # per socket operation: a request that stalls is dropped
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
+            if path not in paths:
+                self._send(404, b"not found\n")
+            elif path == "/metrics":
+                refusal = authorize(self.headers.get("Authorization", "")) if authorize else ""
+                if refusal:
+                    self._send(401 if "token" in refusal else 403, refusal.encode() + b"\n")
+                else:
+                    self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
             elif path == "/healthz":
                 alive = time.monotonic() - metrics.heartbeat_s < HEARTBEAT_STALE_S
                 self._send(200 if alive else 503, b"ok\n" if alive else b"event loop stalled\n")
@@ -110,7 +157,6 @@ def serve_http(address: str, port: int, metrics: DaemonMetrics, ready: Callable[
         def log_message(self, *_args: Any) -> None:  # scrapes are not worth a log line each
             pass
 
-    server = ThreadingHTTPServer((address, port), Handler)
-    server.daemon_threads = True
+    server = BoundedHTTPServer((address, port), Handler, max_connections=max_connections)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

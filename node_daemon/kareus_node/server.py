@@ -5,7 +5,10 @@ pid/uid/gid of its peer; on the node's TCP port (for pods that cannot mount a ho
 ServiceAccount token its `hello` carries — a TCP session must authenticate with that `hello`
 before anything else, and is closed with one refusal when it does not. The first request that
 touches a GPU asks the session's `Authorizer` for its `Grant` (cached, and re-checked every
-`pod_recheck_s` while the session holds leases). A lock takes a *lease* on each
+`pod_recheck_s`; a session whose caller is refused on a re-check is closed, leases or not).
+`read` and `status` show a caller only the GPUs its grant covers (a node administrator outside any
+pod sees all), and the `kareusjob` a lease is labelled with is the pod's label, never the
+client's `hello`. A lock takes a *lease* on each
 GPU it names: leases belong to one session, so two clients can never fight over a GPU, and they
 end — the GPU goes back to default clocks — when the session ends (the client closed, exited or
 was SIGKILLed: the kernel closes its socket), when the re-check says the pod no longer holds the
@@ -14,7 +17,10 @@ GPU or cannot be asked (fail closed), and when the daemon stops.
 The socket side only validates, authorises and records wishes; the `ClockWorker`s apply them.
 Bad input costs the sender, not the daemon: frames are bounded, each bad frame is answered with an
 error (or, when the framing itself is broken, the connection is closed), partial frames time out,
-and connections beyond `max_connections` are turned away.
+and connection slots are handed out by `admission.Admission` (separate pools for authenticated
+and not-yet-authenticated callers, caps per pod and per IP, a hello rate limit per IP). A session
+without leases that stays silent for `idle_timeout_s` is closed; one with leases is kept, since a
+training process may hold a clock for hours without a word, and the re-check vouches for it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -33,9 +40,10 @@ from typing import Any
 from kareus.daemon_client import protocol
 from kareus.daemon_client.protocol import ProtocolError
 from kareus.policy import ClockBounds
+from kareus_node.admission import Admission, HelloLimiter
 from kareus_node.auth import Authorizer, AuthUnavailable, BearerToken, Credentials, Grant, Owner
 from kareus_node.config import NodeConfig
-from kareus_node.identity import peer_credentials
+from kareus_node.identity import PeerCredentials, peer_credentials
 from kareus_node.journal import Journal, JournalError
 from kareus_node.worker import ClockWorker
 
@@ -75,6 +83,8 @@ class Session:
     leases: set[str] = field(default_factory=set)
     schedules: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)  # uuid → (clocks, cursor)
     bad_frames: int = 0
+    peer_ip: str = ""  # TCP: the connection's source address
+    writer: Any = field(default=None, repr=False)  # to close the session from outside its reader (re-check)
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,9 @@ class Daemon:
         self.ready = False
         self.auth_healthy = True
         self._ids = itertools.count(1)
+        self.admission = Admission(config)
+        self.hellos = HelloLimiter(config.hello_rate_per_s)
+        self.recheck_errors = 0
         self._server: asyncio.AbstractServer | None = None
         self._tcp_server: asyncio.AbstractServer | None = None
         self._stopped = asyncio.Event()
@@ -184,21 +197,9 @@ class Daemon:
 
     # -- connections ---------------------------------------------------------------------------
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, transport: str) -> None:
-        if len(self.sessions) >= self.config.max_connections:
-            self.observe("rejected", 0.0)
-            await self._close_with(writer, protocol.error_reply(0, protocol.E_BUSY, f"too many connections (limit {self.config.max_connections})"))
+        session = await self._open_session(writer, transport)
+        if session is None:
             return
-        if transport == "tcp":
-            assert self.token_authorizer is not None
-            session = Session(next(self._ids), BearerToken(""), self.token_authorizer, "tcp", authenticated=False)
-        else:
-            try:
-                peer = peer_credentials(writer.get_extra_info("socket"))
-            except OSError:
-                writer.close()
-                return
-            session = Session(next(self._ids), peer, self.authorizer)
-        self.sessions[session.id] = session
         try:
             await self._read_frames(session, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -209,17 +210,57 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _read_frames(self, session: Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while not self._stopped.is_set():
-            if session.authenticated:
-                header = await reader.readexactly(protocol.HEADER.size)  # an idle client may wait forever
-            else:  # anyone on the network can connect: one who does not authenticate must not hold a slot
+    async def _open_session(self, writer: asyncio.StreamWriter, transport: str) -> Session | None:
+        """The new connection's session once it has a slot; None when it was turned away."""
+        session_id = next(self._ids)
+        if transport == "tcp":
+            assert self.token_authorizer is not None
+            peer_ip = _peer_ip(writer)
+            session = Session(session_id, BearerToken("", peer_ip), self.token_authorizer, "tcp",
+                              authenticated=False, peer_ip=peer_ip)
+            admitted = self.admission.admit_pending(session_id, peer_ip)
+            evicted = self.sessions.get(admitted.evict)
+            if evicted is not None and evicted.writer is not None:
+                evicted.writer.close()  # the oldest unauthenticated connection makes room
+        else:
+            try:
+                sock = writer.get_extra_info("socket")
+                peer = await asyncio.to_thread(self.authorizer.identify, peer_credentials(sock), sock)
+            except OSError:
+                writer.close()
+                return None
+            session = Session(session_id, peer, self.authorizer)
+            admitted = self.admission.admit_authenticated(session_id, "unix", _pod_key(peer))
+        if admitted.refusal:
+            self.observe("rejected", 0.0)
+            await self._close_with(writer, protocol.error_reply(0, protocol.E_BUSY, admitted.refusal))
+            return None
+        session.writer = writer
+        self.sessions[session.id] = session
+        return session
+
+    async def _next_header(self, session: Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes | None:
+        """The next frame header, or None once the session was closed for its silence."""
+        while True:
+            if not session.authenticated:  # anyone on the network can connect: one who does not authenticate must not hold a slot
                 try:
-                    header = await asyncio.wait_for(reader.readexactly(protocol.HEADER.size), self.config.request_timeout_s)
+                    return await asyncio.wait_for(reader.readexactly(protocol.HEADER.size), self.config.request_timeout_s)
                 except TimeoutError:
                     self.observe("refused", 0.0)
                     await self._close_with(writer, protocol.error_reply(0, protocol.E_REFUSED, f"no hello with a token within {self.config.request_timeout_s} s"))
-                    return
+                    return None
+            try:  # a cancelled readexactly consumes nothing, so waiting again loses no bytes
+                return await asyncio.wait_for(reader.readexactly(protocol.HEADER.size), self.config.idle_timeout_s)
+            except TimeoutError:
+                if not session.leases:
+                    await self._close_with(writer, protocol.error_reply(0, protocol.E_REFUSED, f"idle for {self.config.idle_timeout_s} s without a lease; closing"))
+                    return None
+
+    async def _read_frames(self, session: Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while not self._stopped.is_set():
+            header = await self._next_header(session, reader, writer)
+            if header is None:
+                return
             try:
                 length = protocol.frame_length(header)
             except ProtocolError as error:  # the stream cannot be re-synchronised: answer and close
@@ -251,6 +292,7 @@ class Daemon:
 
     def _end_session(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
+        self.admission.leave(session.id)
         self._release(session, session.leases, "client disconnected")
 
     # -- requests ------------------------------------------------------------------------------
@@ -288,8 +330,12 @@ class Daemon:
         token = message.get("token", "")
         if not isinstance(token, str):
             raise _invalid("token: must be a string (a ServiceAccount token)")
-        session.job = job
+        session.job = job  # a label for callers outside pods only: a pod's job is its pod's label
         if session.transport == "tcp":  # on the Unix socket the kernel's credentials decide; a token is ignored
+            if not self.hellos.allow(session.peer_ip):
+                session.close_after_reply = True
+                raise RequestFailed(protocol.E_BUSY, f"too many hellos from {session.peer_ip} (limit "
+                                    f"{self.config.hello_rate_per_s:g} a second); retry later", "rejected")
             await self._authenticate(session, token)
         return protocol.ok_reply(request_id, node=self.node_name, dry_run=self.config.dry_run)
 
@@ -297,7 +343,7 @@ class Daemon:
         """Review a TCP session's token (its first hello, or a later one with the rotated token):
         the session becomes that pod's, or is answered once and closed."""
         try:
-            grant = await asyncio.to_thread(session.authorizer.grant, BearerToken(token), list(self.gpus))
+            grant = await asyncio.to_thread(session.authorizer.grant, BearerToken(token, session.peer_ip), list(self.gpus))
         except AuthUnavailable as error:
             session.close_after_reply = not session.authenticated
             raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot authenticate (failing closed): {error}", "unavailable") from None
@@ -306,9 +352,14 @@ class Daemon:
             session.close_after_reply = True  # one clear refusal; the connection (and any lease) ends
             raise _refused(grant.refused or f"the new token names pod {grant.owner.namespace}/{grant.owner.pod}, "
                            f"not this connection's pod")
-        session.credentials = BearerToken(token)
+        if not session.authenticated:
+            admitted = self.admission.admit_authenticated(session.id, "tcp", grant.owner.pod_uid)
+            if admitted.refusal:
+                session.close_after_reply = True
+                raise RequestFailed(protocol.E_BUSY, admitted.refusal, "rejected")
+        session.credentials = BearerToken(token, session.peer_ip)
         session.authenticated = True
-        session.grant = _with_job_grant(grant, session.job) if session.job else grant
+        session.grant = _with_job_grant(grant, session.job)
 
     async def _op_discover(self, session: Session, request_id: int, _message: dict[str, Any]) -> dict[str, Any]:
         grant = await self._grant(session)
@@ -344,9 +395,14 @@ class Daemon:
         tickets = self._release(session, mine, "reset requested")
         return await self._answer_after(request_id, message, mine, tickets)
 
-    async def _op_read(self, _session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+    async def _op_read(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        uuids = self._gpu_list(message)
+        visible = await self._visible(session)
+        for uuid in uuids:
+            if uuid not in visible:
+                raise _refused(f"read: GPU {uuid} is not this caller's ({(await self._grant(session)).reason(uuid)})")
         gpus = []
-        for uuid in self._gpu_list(message):
+        for uuid in uuids:
             gpu = self.gpus[uuid]
             gpus.append({"uuid": uuid, "energy_j": gpu.energy_j(), "power_w": gpu.power_w(),
                          "sm_clock_mhz": gpu.sm_clock_mhz(), "locked_clock_mhz": gpu.locked_clock_mhz()})
@@ -387,10 +443,13 @@ class Daemon:
         reply["clocks_mhz"] = steps
         return reply
 
-    async def _op_status(self, _session: Session, request_id: int, _message: dict[str, Any]) -> dict[str, Any]:
+    async def _op_status(self, session: Session, request_id: int, _message: dict[str, Any]) -> dict[str, Any]:
         journaled = self.journal.entries()
+        visible = await self._visible(session)
         gpus = []
         for uuid, gpu in self.gpus.items():
+            if uuid not in visible:
+                continue
             lease = self.leases.get(uuid)
             gpus.append({"uuid": uuid, "name": gpu.name, "pci_bus_id": gpu.pci_bus_id,
                          "locked_clock_mhz": gpu.locked_clock_mhz(), "sm_clock_mhz": gpu.sm_clock_mhz(),
@@ -403,6 +462,17 @@ class Daemon:
                                  connections=len(self.sessions), restored_on_start=self.restored_on_start, gpus=gpus)
 
     # -- helpers -------------------------------------------------------------------------------
+    async def _visible(self, session: Session) -> set[str]:
+        """The GPUs `session` may read: those its grant covers (MIG ones too: they are the pod's) and
+        those it holds; every GPU for a node administrator (a Unix caller outside any pod running as
+        root or as the daemon's own user)."""
+        grant = await self._grant(session)
+        credentials = session.credentials
+        if (isinstance(credentials, PeerCredentials) and not grant.owner.pod_uid
+                and credentials.uid in (0, os.getuid())):
+            return set(self.gpus)
+        return {uuid for uuid in self.gpus if not grant.reason(uuid)} | session.leases
+
     def _gpu_list(self, message: dict[str, Any]) -> list[str]:
         uuids = message.get("gpus")
         if not isinstance(uuids, list) or not 1 <= len(uuids) <= len(self.gpus) or not all(isinstance(u, str) for u in uuids):
@@ -419,8 +489,7 @@ class Daemon:
                 session.grant = await asyncio.to_thread(session.authorizer.grant, session.credentials, list(self.gpus))
             except AuthUnavailable as error:
                 raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot authorise (failing closed): {error}", "unavailable") from None
-            if session.job:
-                session.grant = _with_job_grant(session.grant, session.job)
+            session.grant = _with_job_grant(session.grant, session.job)
         return session.grant
 
     def _control_refusal(self, grant: Grant, uuid: str) -> str:
@@ -488,10 +557,15 @@ class Daemon:
         return protocol.ok_reply(request_id, applied=wait, dry_run=self.config.dry_run)
 
     async def _recheck_loop(self) -> None:
-        """Re-authorise every session that holds leases; release what it no longer may hold."""
+        """Re-authorise every session, every `pod_recheck_s`, whatever a round raised: a round that
+        fails is logged and the next one runs (a dead loop would leave every lease unchecked)."""
         while True:
             await asyncio.sleep(self.config.pod_recheck_s)
-            await self.recheck_leases()
+            try:
+                await self.recheck_leases()
+            except Exception:
+                self.recheck_errors += 1
+                log.exception("lease re-check round failed; the next round runs in %s s", self.config.pod_recheck_s)
 
     async def recheck_leases(self) -> None:
         try:
@@ -502,9 +576,8 @@ class Daemon:
             unavailable = str(error)
         self.auth_healthy = not unavailable
         for session in list(self.sessions.values()):
-            if not session.leases or session.grant is None:
-                session.grant = None  # asked afresh on its next request
-                continue
+            if session.grant is None:
+                continue  # never asked yet: its first request asks afresh
             try:
                 if unavailable:
                     raise AuthUnavailable(unavailable)
@@ -512,12 +585,24 @@ class Daemon:
             except AuthUnavailable as error:
                 self.auth_healthy = False
                 self._release(session, session.leases, f"authorisation unavailable, failing closed: {error}")
-                session.grant = None
+                session.grant = None  # asked afresh (a TCP session: its token reviewed again) on its next request
+                continue
+            if fresh.refused and not session.grant.refused:
+                self._close(session, f"no longer allowed: {fresh.refused}")
                 continue
             lost = [uuid for uuid in session.leases if fresh.reason(uuid)]
             if lost:
                 self._release(session, lost, f"no longer allowed: {fresh.reason(lost[0])}")
-            session.grant = _with_job_grant(fresh, session.job) if session.job else fresh
+            session.grant = _with_job_grant(fresh, session.job)
+
+    def _close(self, session: Session, why: str) -> None:
+        """End a session from outside its reader: its leases now, its connection with one note."""
+        log.info("closing the session of %s: %s", session.grant.owner.describe() if session.grant else "?", why)
+        self._release(session, session.leases, why)
+        if session.writer is not None:
+            with contextlib.suppress(Exception):
+                session.writer.write(protocol.encode_frame(protocol.error_reply(0, protocol.E_REFUSED, why)))
+            session.writer.close()
 
 
 def _with_job_grant(grant: Grant, job: str) -> Grant:
@@ -525,10 +610,21 @@ def _with_job_grant(grant: Grant, job: str) -> Grant:
 
 
 def _with_job(owner: Owner, job: str) -> Owner:
-    """The owner labelled with the job the client named, unless its pod already says which job."""
-    if owner.job:
+    """The owner labelled with the job a caller outside any pod named; a pod's job is its label alone,
+    which the operator sets and the workers' admission policy guards, so a pod cannot relabel itself."""
+    if owner.pod_uid or not job:
         return owner
     return Owner(owner.pid, owner.uid, owner.namespace, owner.pod, owner.pod_uid, job)
+
+
+def _peer_ip(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
+
+
+def _pod_key(peer: PeerCredentials) -> str:
+    """Whose connections count together for the per-pod cap: the pod's, else the uid's."""
+    return f"pod {peer.pod_uid}" if peer.pod_uid else f"uid {peer.uid}"
 
 
 def _wait_field(message: dict[str, Any]) -> bool:
@@ -557,9 +653,12 @@ def _int_field(message: dict[str, Any], name: str) -> int:
 
 
 def _effective_bounds(gpu: Any, config: NodeConfig) -> tuple[int, int]:
-    """Policy bounds for the GPU's model, intersected with the clocks it supports."""
+    """Policy bounds for the GPU's model, intersected with the clocks it supports. Without a policy
+    floor, `default_floor_fraction` of the top clock is the floor: it bounds what a stolen token
+    can do to its pod's GPU (slow it by at most that factor)."""
     supported = gpu.supported_sm_clocks_mhz()
     bounds: ClockBounds = config.policy.clock_bounds_for(gpu.name)
-    low = max(min(supported), bounds.floor_mhz or 0)
+    default_floor = math.ceil(config.default_floor_fraction * max(supported))
+    low = max(min(supported), bounds.floor_mhz if bounds.floor_mhz is not None else default_floor)
     high = min(max(supported), bounds.ceiling_mhz or max(supported))
     return low, high
