@@ -8,7 +8,10 @@ is the time per fake training step (a job named `*nodaemon*` reports degraded cl
 profiling and optimizing take. `FAKE_PLAN_FILE` (optional): a real plan document (with a frontier)
 the fake optimize writes instead of its stand-in. A training run stops early when the file
 `FAKE_STATE_DIR/<job>.finish` exists, and records the plan's `selected_row` it read last (the plan
-file is re-read every step, as a runtime watching it would) in `FAKE_STATE_DIR/<job>.row`.
+file is re-read every step, as a runtime watching it would) in `FAKE_STATE_DIR/<job>.row`, and every
+step it ran in `FAKE_STATE_DIR/<job>.executed`. With `--checkpoint-dir` it keeps checkpoints as the
+runtime lays them out (`step-N/kareus-checkpoint.json`, every `--checkpoint-every` steps and on
+SIGTERM, which ends the run after its current step with exit 143) and resumes from the newest.
 
     python tests/operator_fakes.py profile JOB --out PROFILE
     python tests/operator_fakes.py optimize JOB --profile PROFILE --out PLAN
@@ -26,6 +29,8 @@ import gzip
 import json
 import os
 import re
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -128,6 +133,26 @@ def _read_plan(path: Path) -> dict:
     return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)  # the plan ConfigMap stores it gzipped
 
 
+def _latest_checkpoint(directory: Path) -> int:
+    """Steps done at the newest complete checkpoint (kareus.runtime.checkpoint's layout), 0 if none."""
+    steps = [int(p.name[5:]) for p in directory.glob("step-*") if (p / "kareus-checkpoint.json").exists()]
+    return max(steps, default=0)
+
+
+def _save_checkpoint(directory: Path, step: int, keep: int) -> None:
+    """A complete checkpoint appears at once: written aside, its manifest last, renamed into place."""
+    partial = directory / f".partial-step-{step:08d}"
+    partial.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    (partial / "kareus-checkpoint.json").write_text(json.dumps({"version": 1, "step": step, "time": stamp}))
+    final = directory / f"step-{step:08d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    for old in sorted(directory.glob("step-*"), reverse=True)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def main() -> int:
     phase = sys.argv[1]
     _maybe_fail(phase)
@@ -148,8 +173,14 @@ def main() -> int:
         out = Path(_arg("--out"))
         job = os.environ.get("KAREUS_JOB_NAME", "job")
         state = Path(os.environ.get("FAKE_STATE_DIR", out))
+        checkpoints = Path(_arg("--checkpoint-dir")) if "--checkpoint-dir" in sys.argv else None
+        every = int(_arg("--checkpoint-every")) if "--checkpoint-every" in sys.argv else 0
+        keep = int(_arg("--checkpoint-keep")) if "--checkpoint-keep" in sys.argv else 2
+        start = _latest_checkpoint(checkpoints) if checkpoints else 0
+        stopping: list[int] = []
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))  # finish the step, save, exit 143
         with open(out / "train.jsonl", "a") as log:
-            for step in range(steps):
+            for step in range(start, steps):
                 if (state / f"{job}.finish").exists():
                     break
                 row = _read_plan(plan_path).get("selected_row")
@@ -162,6 +193,14 @@ def main() -> int:
                     record |= {"clock_control": "degraded", "clock_control_reason": "no node daemon on this node"}
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+                with open(state / f"{job}.executed", "a") as executed:  # every step any run ran
+                    executed.write(f"{step}\n")
+                done = step + 1
+                if checkpoints and ((every and done % every == 0 and done < steps) or stopping):
+                    _save_checkpoint(checkpoints, done, keep)
+                if stopping:
+                    print(f"fake train: stopped by SIGTERM after step {done}", flush=True)
+                    return 143
     else:
         print(f"unknown phase {phase}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ import yaml
 
 from kareus.errors import NON_RETRYABLE_EXIT_CODES
 from kareus.spec import JobSpec
+from kareus_operator.ledger import LEDGER_FILE
 from kareus_operator.settings import (
     DAEMON_TOKEN_AUDIENCE,
     DAEMON_TOKEN_DIR,
@@ -46,6 +47,8 @@ from kareus_operator.settings import (
     LABEL_PROFILE_KEY,
     LABEL_QUEUE,
     LABEL_ROLE,
+    MOUNT_CHECKPOINTS,
+    MOUNT_DATA,
     MOUNT_JOB,
     MOUNT_OUT,
     MOUNT_PLAN,
@@ -345,6 +348,36 @@ def train_service(job: Mapping[str, Any]) -> dict[str, Any]:
                      "ports": [{"name": "rendezvous", "port": master_port(job["metadata"]["uid"])}]}}
 
 
+def checkpoint_dir(job_name: str) -> str:
+    """Where a job's checkpoints (and its progress ledger) live on its checkpoint claim."""
+    return f"{MOUNT_CHECKPOINTS}/{job_name}"
+
+
+def storage(job_name: str, spec: JobSpec) -> tuple[list[Volume], list[str], list[str]]:
+    """The training pods' claims (checkpoints read-write, data read-only), the runtime's flags for
+    them and the publisher's (the ledger that carries progress across restarts): none without a
+    claim, so a job without one runs as it always did."""
+    volumes: list[Volume] = []
+    runtime: list[str] = []
+    publisher: list[str] = []
+    ckpt, data = spec.training.checkpoint, spec.training.data
+    if ckpt is not None and ckpt.claim_name is not None:
+        directory = checkpoint_dir(job_name)
+        volumes.append(("kareus-checkpoints", {"persistentVolumeClaim": {"claimName": ckpt.claim_name}}, MOUNT_CHECKPOINTS))
+        runtime += ["--checkpoint-dir", directory, "--checkpoint-every", str(ckpt.every_steps)]
+        if ckpt.keep is not None:
+            runtime += ["--checkpoint-keep", str(ckpt.keep)]
+        publisher += ["--ledger", f"{directory}/{LEDGER_FILE}", "--checkpoint-dir", directory]
+    if data is not None:
+        path = data.path
+        if data.claim_name is not None:
+            volumes.append(("kareus-data", {"persistentVolumeClaim": {"claimName": data.claim_name, "readOnly": True}},
+                            MOUNT_DATA))
+            path = f"{MOUNT_DATA}/{data.path}"
+        runtime += ["--data", path, "--data-format", data.format]
+    return volumes, runtime, publisher
+
+
 def train_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, *, suspend: bool = False) -> dict[str, Any]:
     """The Indexed training Job. Its own backoff limit is 0: one failed rank fails the step for
     every rank, so the operator restarts the whole gang (as JobSet's failure policy does) and
@@ -355,12 +388,13 @@ def train_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, *, susp
     training = spec.training
     values = {"job": f"{MOUNT_JOB}/{JOB_FILE}", "plan": f"{MOUNT_PLAN}/{PLAN_FILE_GZ}", "out": MOUNT_OUT,
               "nproc": str(training.gpus_per_node)}
+    claims, storage_args, ledger_args = storage(name, spec)
     command = list(training.command) or list(settings.train_command)
-    command += _expand(settings.train_args, values) + list(training.args)
+    command += _expand(settings.train_args, values) + storage_args + list(training.args)
     # Every rank runs the publisher; only node rank 0 follows train.jsonl (the others just run).
     command = [*settings.publish_command, "--configmap", progress_configmap_name(name), "--owner", _owner_arg(job),
                "--label", f"{LABEL_JOB}={name}", "--follow", f"{MOUNT_OUT}/train.jsonl", "--follow-if-rank0",
-               "--interval-s", str(settings.progress_interval_s), "--", *command]
+               "--interval-s", str(settings.progress_interval_s), *ledger_args, "--", *command]
     master = f"{train_hostname(name, 0)}.{train_service_name(name)}.{namespace}.svc"
     port = str(master_port(meta["uid"]))
     index = {"valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}}
@@ -376,11 +410,14 @@ def train_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, *, susp
         *({"name": k, "value": v} for k, v in rendezvous_env(settings.rendezvous_timeout_s).items() if k not in own_env),
         *({"name": var.name, "value": var.value} for var in training.env)]
     plan_volume = ("plan", {"configMap": {"name": plan_configmap_name(name)}}, MOUNT_PLAN)
-    template = _pod_template(job, spec, "train", training.image, command, [plan_volume], settings,
+    template = _pod_template(job, spec, "train", training.image, command, [plan_volume, *claims], settings,
                              gpus=training.gpus_per_node, env=env)
     pod = template["spec"]
     pod["subdomain"] = train_service_name(name)
     container = pod["containers"][0]
+    for mount in container["volumeMounts"]:
+        if mount["name"] == "kareus-data":
+            mount["readOnly"] = True
     if training.resources is not None:
         for part in ("requests", "limits"):
             container["resources"].setdefault(part, {}).update(getattr(training.resources, part))

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -34,8 +35,10 @@ from typing import Any
 
 from kareus.errors import KareusError
 from kareus.incluster import api_url, serviceaccount_dir
+from kareus_operator.ledger import Ledger, latest_checkpoint
 
 PROGRESS_KEY = "progress.json"
+LEDGER_TICK_S = 0.5  # how far behind train.jsonl the ledger may fall (steps a SIGKILL could lose)
 
 
 def summarise_progress(lines: Sequence[str]) -> dict[str, Any]:
@@ -128,14 +131,32 @@ class ConfigMapWriter:
             raise KareusError(f"{method} {url_path}: {error.code} {_status_message(error)}") from None
 
 
-def _follow(path: Path, writer: ConfigMapWriter, interval_s: float, stop: threading.Event) -> None:
+def _follow(path: Path, writer: ConfigMapWriter, interval_s: float, stop: threading.Event,
+            ledger: Ledger | None = None, checkpoint_dir: Path | None = None) -> None:
     """Publish the progress summary at most every `interval_s` (the first one within a second of the
-    first step, so a job shows it is training), and once more when the command ends."""
+    first step, so a job shows it is training), and once more when the command ends. With a
+    `ledger` (a job with a checkpoint claim) every step is copied to it within half a second, and
+    the summary is the ledger's: the job's steps across its runs, each once."""
     last: dict[str, Any] | None = None
+    copied = 0  # complete lines of train.jsonl already in the ledger
+    published_at = float("-inf")
     while True:
-        stopping = stop.wait(interval_s if last and last.get("iterations") else min(interval_s, 1.0))
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        wait_s = interval_s if last and last.get("iterations") else min(interval_s, 1.0)
+        stopping = stop.wait(min(wait_s, LEDGER_TICK_S) if ledger is not None else wait_s)
+        text = path.read_text(errors="replace") if path.exists() else ""
+        lines = text.splitlines()
+        if ledger is not None:
+            complete = text.split("\n")[:-1]  # the last piece may be a line being written
+            ledger.add(_step_records(complete[copied:]))
+            copied = len(complete)
+            if not stopping and time.monotonic() - published_at < wait_s:
+                continue
         summary = summarise_progress(lines)
+        if ledger is not None:
+            summary |= ledger.state.summary()
+        if checkpoint_dir is not None and (found := latest_checkpoint(checkpoint_dir)) is not None:
+            summary["checkpoint"] = found
+        published_at = time.monotonic()
         if summary != last:
             try:
                 writer.write({PROGRESS_KEY: json.dumps(summary)})
@@ -144,6 +165,18 @@ def _follow(path: Path, writer: ConfigMapWriter, interval_s: float, stop: thread
                 print(f"kareus-operator publish: progress not published: {error}", file=sys.stderr)
         if stopping:
             return
+
+
+def _step_records(lines: Sequence[str]) -> list[dict[str, Any]]:
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "iteration_time_s" in record and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -161,6 +194,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--follow-if-rank0", action="store_true",
                         help="publish only where NODE_RANK is 0 (the Indexed Job's other pods just run)")
     parser.add_argument("--interval-s", type=float, default=1.0)
+    parser.add_argument("--ledger", type=Path, help="progress ledger on the checkpoint claim: the followed steps "
+                        "are kept there across pods, and the summary counts each step of the job once")
+    parser.add_argument("--checkpoint-dir", type=Path, help="the runtime's checkpoint directory: the summary "
+                        "names its newest complete checkpoint")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     parser.set_defaults(func=run)
 
@@ -209,13 +246,17 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: child.terminate())
     stop = threading.Event()
     follower = None
+    ledger = Ledger(args.ledger, os.environ.get("POD_NAME", "run")) if args.ledger and args.follow else None
     if args.follow is not None:
-        follower = threading.Thread(target=_follow, args=(args.follow, writer, args.interval_s, stop), daemon=True)
+        follower = threading.Thread(target=_follow, args=(args.follow, writer, args.interval_s, stop, ledger,
+                                                          args.checkpoint_dir), daemon=True)
         follower.start()
     code = child.wait()
     stop.set()
     if follower is not None:
         follower.join(timeout=30)
+    if ledger is not None:
+        ledger.close()
     if code != 0:
         return code
     missing = [str(p) for p in [*files.values(), *packed.values()] if not p.exists()]
