@@ -43,6 +43,7 @@ from kareus_operator import manifests as mf
 from kareus_operator.conditions import Want
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
+from kareus_operator.progress import checkpoint_status, progress_fields
 from kareus_operator.publish import PROGRESS_KEY
 from kareus_operator.refusals import CONDITION_OF_ROLE, ChildRefused, Refusal, backoff_s, classify
 from kareus_operator.settings import (
@@ -562,6 +563,10 @@ class Reconciler:
             measured["projectedTotalJoules"] = per_iteration_j * spec.training.steps
             if measured["averageIterationSeconds"] > 0:
                 measured["averagePowerWatts"] = per_iteration_j / measured["averageIterationSeconds"]
+        measured |= progress_fields(progress, measured, spec.training.steps)
+        checkpoint = checkpoint_status(progress, p.status.get("checkpoint"))
+        if checkpoint is not None:
+            p.status["checkpoint"] = checkpoint
         if measured != {k: v for k, v in (p.status.get("measured") or {}).items() if k != "lastUpdateTime"}:
             measured["lastUpdateTime"] = iso(p.now)
         else:
