@@ -235,16 +235,32 @@ def test_splitting_small_microbatches_loses(model, mbs, seq, partitioned_wins) -
     assert (partitioned.energy_j < sequential.energy_j) is partitioned_wins
 
 
-def test_single_layer_study_against_the_paper(fwd_attn_study) -> None:
+def test_single_layer_study_against_the_paper(fwd_attn_study, simulator) -> None:
     """§3.3: the energy-optimal overlapped schedule at 1410 MHz beats sequential execution by
-    24.3 % energy and 12.3 % time. Time is within the ±5-point window; energy falls short (~9.5 %:
-    an exposed collective draws too little power to save twice its time's share, docs/simulator.md)."""
+    24.3 % energy and 12.3 % time. Time must be within the ±5-point window. Energy is held to the
+    bound physics puts on it rather than to the paper's number (which the model misses, held-out
+    table): at a fixed clock compute's dynamic energy does not depend on the schedule (the paper's
+    own premise), so overlap can save at most static power over the time it saves plus the whole
+    dynamic energy of sequential execution's exposed collective,
+
+        energy_reduction <= (P_static * time_reduction + s * (P_exposed - P_static)) / P_sequential,
+
+    s the exposed share of sequential time. Copy interference and the throttled clocks only add to
+    the overlapped schedule's energy, so the bound holds with them (docs/simulator.md)."""
     points, sequential = fwd_attn_study
     best = _best(_at(points, 1410))
-    time_reduction = 1 - best["time_s"] / sequential[1410]["time_s"]
-    energy_reduction = 1 - best["energy_j"] / sequential[1410]["energy_j"]
+    seq = sequential[1410]
+    time_reduction = 1 - best["time_s"] / seq["time_s"]
+    energy_reduction = 1 - best["energy_j"] / seq["energy_j"]
     assert 0.07 <= time_reduction <= 0.18
-    assert 0.05 <= energy_reduction < time_reduction
+    workload = build_workload(LLAMA3B, tp=4, cp=1, pp=1, seq_len=4096, micro_batch_size=8)
+    comm = workload.partition_types["fwd_attn"].comm.scaled(2.0)  # sequential runs the microbatch's collective
+    exposed = simulator.sequential([comm], 1410)
+    share = seq["exposed_comm_s"] / seq["time_s"]
+    assert exposed.time_s / 2 == pytest.approx(seq["exposed_comm_s"], rel=1e-6)  # the same phase, per nanobatch
+    p_static = simulator.p_static_w
+    bound = (p_static * time_reduction + share * (exposed.avg_power_w - p_static)) / seq["avg_power_w"]
+    assert 0.05 <= energy_reduction <= bound
 
 
 @pytest.mark.parametrize("model,tp,cp,slower", [
