@@ -30,8 +30,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "partitioned at default configs and default clocks); a new plan written to this "
                         "file takes effect at the next step boundary on every rank")
     parser.add_argument("--steps", type=int, help="iterations to run (default: spec.training.steps)")
-    parser.add_argument("--data", metavar="FILE", help="token file: .npy token ids, anything else is read as "
-                        "bytes (byte-level tokenizer); default: the built-in corpus")
+    parser.add_argument("--data", metavar="PATH", help="token file (default: the built-in corpus); its format "
+                        "from --data-format, else from the name: .npy, a Megatron PREFIX(.bin/.idx) pair, another "
+                        ".bin (flat token ids), anything else read as bytes (byte-level tokenizer)")
+    parser.add_argument("--data-format", metavar="npy|bin|megatron|bytes", help="npy: NumPy token ids; bin: flat little-endian "
+                        "uint16/uint32 ids (memory-mapped); megatron: Megatron-LM indexed dataset (.bin + .idx); "
+                        "bytes: byte-level tokenizer")
+    parser.add_argument("--data-dtype", metavar="uint16|uint32", help="token type of a bin file (default: "
+                        "uint16 when the model's vocabulary fits, else uint32)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (sharded, one part per "
+                        "rank) and resume from the newest complete one of this job; shared by every node")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="save after every N steps (default 0: only when SIGTERM stops the run)")
+    parser.add_argument("--checkpoint-keep", type=int, default=2, metavar="K",
+                        help="keep the last K complete checkpoints (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default 0)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/train.jsonl (rank 0)")
     parser.add_argument("--nproc", type=int, help="processes to start on this node (default: all); with "
@@ -89,7 +101,10 @@ def run(args: argparse.Namespace) -> int:
 
         paramsfile.load(args.sim_params)  # one clear error here, not one per rank at its first step
     plan, digest = read_plan(args.plan) if args.plan else (None, None)
-    overrides = {"seed": args.seed, "data_path": args.data, "out_dir": args.out, "lr": args.lr,
+    overrides = {"seed": args.seed, "data_path": args.data, "data_format": args.data_format,
+                 "data_dtype": args.data_dtype, "checkpoint_dir": args.checkpoint_dir,
+                 "checkpoint_every": args.checkpoint_every, "checkpoint_keep": args.checkpoint_keep,
+                 "out_dir": args.out, "lr": args.lr,
                  "optimizer": args.optimizer,
                  # the endpoint: a socket path or tcp://HOST:PORT (kareus.daemon_client connects to either)
                  "daemon_socket": daemon_endpoint(args.daemon_socket, args.daemon_address),
@@ -108,13 +123,17 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         _print_summary(result, args.json)
     if result.stopped_early:
-        print(f"kareus train: stopped by SIGTERM after {len(result.losses)} of the job's steps", file=sys.stderr)
+        kept = (f"; checkpoint after step {result.checkpoint_step} saved" if result.checkpoint_step is not None
+                else "; no checkpoint kept (no --checkpoint-dir)")
+        print(f"kareus train: stopped by SIGTERM after {result.first_step + len(result.losses)} of the job's "
+              f"steps{kept}", file=sys.stderr)
         return stopping.EXIT_CODE  # retryable: the pod failure policy counts it, never fails the job on it
     return 0
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name, low in (("steps", 0), ("nproc", 1), ("metrics_port", 0)):
+    for name, low in (("steps", 0), ("nproc", 1), ("metrics_port", 0), ("checkpoint_every", 0),
+                      ("checkpoint_keep", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise KareusError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
@@ -122,12 +141,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise KareusError(f"--metrics-port must be <= 65535, got {args.metrics_port}")
     if not args.lr > 0:
         raise KareusError(f"--lr must be > 0, got {args.lr}")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise KareusError("--checkpoint-every needs --checkpoint-dir")
 
 
 def _print_summary(result, as_json: bool) -> None:
     steps = len(result.losses)
     summary = {
         "steps": steps,
+        "first_step": result.first_step,
         "first_loss": result.losses[0] if steps else None,
         "final_loss": result.losses[-1] if steps else None,
         "mean_iteration_time_s": sum(result.iteration_time_s) / steps if steps else None,

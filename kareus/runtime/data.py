@@ -1,14 +1,27 @@
 """Training data: a token stream and deterministic batches drawn from it.
 
-Tokens come from a file or from a small built-in corpus. A `.npy` file holds token ids; any other
-file is read as bytes, i.e. tokenized by the byte-level tokenizer (vocabulary 256, what the `tiny`
-preset uses). The built-in corpus is synthetic English generated from a small grammar with a
-fixed seed: repetitive enough that a tiny model's loss drops within a few dozen steps.
+Tokens come from a file or from a small built-in corpus. File formats (`--data-format`, or from
+the name when it is not given):
+
+- `npy`: a NumPy array of integer token ids (memory-mapped, any shape, read flat).
+- `bin`: a flat file of little-endian token ids, `uint16` when the model's vocabulary fits in it,
+  else `uint32` (`--data-dtype` overrides), memory-mapped — what nanoGPT and llm.c write.
+- `megatron`: Megatron-LM's indexed dataset, `PREFIX.bin` + `PREFIX.idx` (the path may be the prefix
+  or either file); its documents, concatenated in order, are the stream (as Megatron's GPT dataset
+  packs them), the token type is the index's.
+- `bytes`: any other file, read as bytes, i.e. tokenized by the byte-level tokenizer (vocabulary
+  256, what the `tiny` preset uses).
+
+Every file is checked whole before training: integer ids, all below the model's vocabulary (a wrong
+`--data-dtype` shows up here). The built-in corpus is synthetic English generated from a small
+grammar with a fixed seed: repetitive enough that a tiny model's loss drops within a few dozen steps.
 
 Batches are windows of `seq_len + 1` tokens (inputs and next-token targets) at offsets drawn from
 `(seed, step)`. The global batch of a step is a list of sequences; data-parallel rank d,
 microbatch m takes sequences `(d·M + m)·mbs …` so any (data, microbatches) split of the same
-global batch sees the same sequences — a DP2×M2 run equals a single-process M4 run.
+global batch sees the same sequences — a DP2×M2 run equals a single-process M4 run. A rank reads
+only its own windows from the memory-mapped file. The step is the data position: a run resumed at
+step N (`kareus.runtime.checkpoint`) reads what an uninterrupted run reads from step N on.
 """
 
 from __future__ import annotations
@@ -39,23 +52,130 @@ def builtin_corpus(num_sentences: int = 4000, seed: int = 1234) -> bytes:
     return "".join(parts).encode()
 
 
+FORMATS = ("npy", "bin", "megatron", "bytes")
+BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+# Megatron-LM's MMapIndexedDataset index (megatron/core/datasets/indexed_dataset.py): magic, version
+# 1, the token type's code, sequence and document counts, then their arrays.
+_MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+_MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+                    7: np.float32, 8: np.uint16}
+_CHECK_CHUNK = 1 << 24  # tokens per chunk of the whole-file vocabulary check
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """A run's token stream and what it is (a checkpoint records `identity` and resumes only on the same)."""
+
+    tokens: np.ndarray  # flat integer ids, possibly memory-mapped
+    format: str
+
+    @property
+    def identity(self) -> dict[str, object]:
+        return {"format": self.format, "tokens": int(self.tokens.size), "dtype": str(self.tokens.dtype)}
+
+
 def load_tokens(path: str | Path | None, vocab_size: int) -> np.ndarray:
-    """Token ids (int64) from `path` (None: the built-in corpus), checked against the vocabulary."""
+    """Token ids from `path` (None: the built-in corpus), its format from its name, checked against
+    the vocabulary."""
+    return load_data(path, vocab_size).tokens
+
+
+def load_data(path: str | Path | None, vocab_size: int, data_format: str | None = None,
+              dtype: str | None = None) -> TokenData:
+    """The token stream of `path` in `data_format` (None: from the name; see the module docstring)."""
     if path is None:
-        tokens = np.frombuffer(builtin_corpus(), dtype=np.uint8).astype(np.int64)
-    else:
-        path = Path(path)
-        try:
-            if path.suffix == ".npy":
-                tokens = np.load(path).astype(np.int64).ravel()
-            else:
-                tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int64)
-        except (OSError, ValueError) as error:
-            raise KareusError(f"--data {path}: cannot read tokens: {error}") from None
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise KareusError(f"--data: token ids must be in 0..{vocab_size - 1} (the model's vocabulary), "
-                          f"found {tokens.min()}..{tokens.max()}")
-    return tokens
+        return TokenData(np.frombuffer(builtin_corpus(), dtype=np.uint8), "builtin")
+    path = Path(path)
+    data_format = data_format or infer_format(path)
+    if data_format not in FORMATS:
+        raise KareusError(f"--data-format must be one of {', '.join(FORMATS)}, got {data_format!r}")
+    if dtype is not None and (data_format != "bin" or dtype not in BIN_DTYPES):
+        raise KareusError(f"--data-dtype {dtype!r}: only for --data-format bin, one of {', '.join(BIN_DTYPES)}")
+    try:
+        if data_format == "npy":
+            tokens = _npy(path)
+        elif data_format == "bin":
+            tokens = _flat_bin(path, BIN_DTYPES[dtype] if dtype else _bin_dtype(vocab_size))
+        elif data_format == "megatron":
+            tokens = _megatron(path)
+        else:
+            tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    except (OSError, ValueError) as error:
+        raise KareusError(f"--data {path}: cannot read tokens ({data_format}): {error}") from None
+    _check_ids(tokens, vocab_size, f"--data {path} ({data_format}, {tokens.dtype})")
+    return TokenData(tokens, data_format)
+
+
+def infer_format(path: Path) -> str:
+    """`.npy` → npy; a Megatron `.bin`/`.idx` pair (or its prefix) → megatron; other `.bin` → bin; else bytes."""
+    if path.suffix == ".npy":
+        return "npy"
+    if path.suffix in (".bin", ".idx") and path.with_suffix(".idx").exists() and path.with_suffix(".bin").exists():
+        return "megatron"
+    if path.suffix == ".bin":
+        return "bin"
+    if not path.suffix and Path(f"{path}.idx").exists():
+        return "megatron"
+    return "bytes"
+
+
+def _bin_dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def _npy(path: Path) -> np.ndarray:
+    tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    if tokens.dtype.kind not in "iu":
+        raise ValueError(f"dtype {tokens.dtype}: token ids must be integers")
+    return tokens.reshape(-1)
+
+
+def _flat_bin(path: Path, dtype: type) -> np.ndarray:
+    size = path.stat().st_size
+    itemsize = np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise ValueError(f"{size} bytes is not a whole number of {np.dtype(dtype).name} tokens")
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _megatron(path: Path) -> np.ndarray:
+    """The `.bin` of a Megatron indexed dataset as one stream, after checking it against its `.idx`."""
+    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    index, data = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    with index.open("rb") as f:
+        header = f.read(len(_MEGATRON_MAGIC) + 8 + 1 + 8 + 8)
+    if len(header) < 34 or header[:9] != _MEGATRON_MAGIC:
+        raise ValueError(f"{index} is not a Megatron indexed dataset index (no MMIDIDX header)")
+    version = int.from_bytes(header[9:17], "little")
+    code = header[17]
+    sequences = int.from_bytes(header[18:26], "little")
+    if version != 1:
+        raise ValueError(f"{index}: index version {version}, this reader knows version 1")
+    if code not in _MEGATRON_DTYPES:
+        raise ValueError(f"{index}: unknown token type code {code}")
+    dtype = np.dtype(_MEGATRON_DTYPES[code])
+    if dtype.kind not in "iu":
+        raise ValueError(f"{index}: dtype {dtype.name}: token ids must be integers")
+    lengths = np.memmap(index, dtype=np.int32, mode="r", offset=34, shape=(sequences,)) if sequences else []
+    total = int(np.sum(lengths, dtype=np.int64))
+    size = data.stat().st_size
+    if size != total * dtype.itemsize:
+        raise ValueError(f"{data} has {size} bytes, its index says {total} {dtype.name} tokens "
+                         f"({total * dtype.itemsize} bytes)")
+    return np.memmap(data, dtype=dtype, mode="r") if total else np.zeros(0, dtype=dtype)
+
+
+def _check_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+    """Every id in 0..vocab-1, the whole file in chunks (a memory map is never loaded at once)."""
+    low, high = 0, 0
+    for start in range(0, tokens.size, _CHECK_CHUNK):
+        chunk = tokens[start:start + _CHECK_CHUNK]
+        low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+    if low < 0 or high >= vocab_size:
+        raise KareusError(f"{what}: token ids must be in 0..{vocab_size - 1} (the model's vocabulary), "
+                          f"found {low}..{high}")
 
 
 @dataclass(frozen=True)
@@ -86,8 +206,8 @@ class Batcher:
         """(inputs, targets) `[mbs, seq]` for each microbatch of `dp_rank` at `step`."""
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, self.tokens.size - self.seq_len - 1, size=self.global_batch_size)
-        windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
-        windows = torch.from_numpy(windows).to(device)
         per_rank = self.num_microbatches * self.micro_batch_size
-        mine = windows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(self.micro_batch_size)]
+        mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]  # only these pages of a mapped file are read
+        windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in mine])
+        windows = torch.from_numpy(windows).to(device)
+        return [(mb[:, :-1], mb[:, 1:]) for mb in windows.split(self.micro_batch_size)]

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -39,9 +39,10 @@ from kareus.daemon_client import ClockClient, DaemonConnection, DaemonError, Nul
 from kareus.errors import KareusError
 from kareus.plan import plan_at_row
 from kareus.runtime import stopping
+from kareus.runtime.checkpoint import Checkpointer, CheckpointSettings, Identity, Resumed, TrainState
 from kareus.runtime.clocking import CudaProgress, HostProgress
 from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
-from kareus.runtime.data import Batcher, load_tokens
+from kareus.runtime.data import Batcher, TokenData, load_data
 from kareus.runtime.energy import EnergyAttributionError, MeasuredEnergy, SimulatedEnergy, TwinEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
 from kareus.runtime.gradsync import all_reduce_bucketed
@@ -95,6 +96,11 @@ class TrainConfig:
     gpu_product: str = "A100-SXM4-40GB"
     stage_layers: tuple[int, ...] | None = None
     data_path: str | None = None
+    data_format: str | None = None  # npy | bin | megatron | bytes; None: from the file's name
+    data_dtype: str | None = None  # a `bin` file's token type; None: uint16 when the vocabulary fits, else uint32
+    checkpoint_dir: str | None = None  # resume from the newest usable checkpoint here, save into it
+    checkpoint_every: int = 0  # steps between checkpoints (0: only when a SIGTERM stops the run)
+    checkpoint_keep: int = 2
     out_dir: str | None = None
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
@@ -133,11 +139,20 @@ class TrainConfig:
         if self.clock_lead_s < 0:
             raise KareusError(f"clock_lead_s must be >= 0, got {self.clock_lead_s}")
         self.straggler_policy  # noqa: B018 — validates the straggler settings
+        self.checkpoint_settings  # noqa: B018 — validates the checkpoint settings
         SimStraggler.parse(self.sim_straggler)
 
     @property
     def straggler_policy(self) -> StragglerPolicy:
         return StragglerPolicy(self.straggler_threshold, self.straggler_patience_steps, self.straggler_recovery_steps)
+
+    @property
+    def checkpoint_settings(self) -> CheckpointSettings | None:
+        if self.checkpoint_dir is None:
+            if self.checkpoint_every:
+                raise KareusError("--checkpoint-every needs --checkpoint-dir")
+            return None
+        return CheckpointSettings(self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)
 
     @property
     def layout(self) -> Layout:
@@ -191,6 +206,8 @@ class TrainResult:
     straggler_decisions: tuple[Decision, ...] = ()  # the re-selections, as every rank decided them
     cpu_proxy: bool = False  # the processes trained spec.training.cpuProxy (a CPU run), not the job's model
     stopped_early: bool = False  # a SIGTERM stopped every rank after the last step here
+    first_step: int = 0  # the step this run started at: the resumed checkpoint's, else 0
+    checkpoint_step: int | None = None  # steps completed in the last checkpoint this run saved
 
 
 def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
@@ -224,8 +241,9 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                             lead_s=config.clock_lead_s)
     executor = StageExecutor(model, ctx, tp, follower, trained.seq_len, config.micro_batch_size,
                              config.activation_checkpointing, cp)
-    batcher = Batcher(load_tokens(config.data_path, trained.shape.vocab_size), trained.seq_len,
-                      config.micro_batch_size, config.num_microbatches, config.dp, config.seed)
+    data = load_data(config.data_path, trained.shape.vocab_size, config.data_format, config.data_dtype)
+    batcher = Batcher(data.tokens, trained.seq_len, config.micro_batch_size, config.num_microbatches, config.dp,
+                      config.seed)
     # Tokens per step of the job's model: what its (simulated or measured) energy is spent on.
     tokens_per_step = batcher.global_batch_size * config.seq_len
     source = "nvml" if meter else "simulated"
@@ -238,13 +256,27 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     rollout = _rollout(ctx, config, executor) if config.plan_path else None
     running.digest = config.plan_digest or (rollout.digest if rollout else None)
     optimizer = _optimizer(config, model)
+    state = TrainState(model.named_model_params(), optimizer, ctx.tp_rank, config.tp, ctx.rank)
+    checkpointer = _checkpointer(ctx, config, trained, data)
+    resumed = checkpointer.resume(state, config.steps) if checkpointer else None
+    first_step = resumed.step if resumed else 0
+    if resumed:
+        running.resumed(ctx, resumed)
     outputs = _Outputs(ctx, config, schedule)
     records: list[StepRecord] = []
     stopped_early = False
+    saved_step: int | None = None
+
+    def save(steps_done: int, reason: str) -> None:
+        nonlocal saved_step
+        checkpointer.save(state, steps_done, plan_revision=running.revision, plan_digest=running.digest,
+                          reason=reason)
+        saved_step = steps_done
+
     if meter:
         meter.lap_j()  # count from the first step, not from start-up
     try:
-        for step in range(config.steps):
+        for step in range(first_step, config.steps):
             if step_hook is not None:
                 step_hook(step)
             if rollout is not None and (new := rollout.check(step)) is not None:
@@ -287,7 +319,11 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                 print(f"rank {ctx.rank}: stopping after step {step} of {config.steps} (SIGTERM)", file=sys.stderr,
                       flush=True)
                 stopped_early = step + 1 < config.steps
+                if checkpointer and stopped_early:  # within the pod's grace period: the work so far is kept
+                    save(step + 1, "sigterm")
                 break
+            if checkpointer and checkpointer.settings.due(step + 1):
+                save(step + 1, "periodic")
     finally:
         outputs.close()
         follower.close()
@@ -297,8 +333,22 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                          records[-1].modelled_time_s if records else None, tuple(follower.log), config.out_dir,
                          outputs.metrics_port, tuple(r.plan_revision for r in records),
                          tuple(r.clock_control for r in records), tuple(running.rows_run),
-                         tuple(decisions), trained.proxy, stopped_early)
+                         tuple(decisions), trained.proxy, stopped_early, first_step, saved_step)
     return result, (model if keep_model else None)
+
+
+def _checkpointer(ctx: DistContext, config: TrainConfig, trained: TrainedModel, data: TokenData) -> Checkpointer | None:
+    """The run's checkpoints, and what a checkpoint must agree with to be resumed."""
+    settings = config.checkpoint_settings
+    if settings is None:
+        return None
+    model = {**asdict(trained.shape), "sequence_length": trained.seq_len,
+             "layers_per_stage": list(trained.layers_per_stage)}
+    layout = {"tensor": config.tp, "pipeline": config.pp, "data": config.dp, "context": config.cp,
+              "micro_batch_size": config.micro_batch_size, "num_micro_batches": config.num_microbatches}
+    identity = Identity(config.job_name, model, layout, config.optimizer, config.dtype,
+                        {**data.identity, "seed": config.seed})
+    return Checkpointer(settings, identity, rank=ctx.rank, world=config.layout.world_size, device=ctx.device)
 
 
 class _Running:
@@ -320,6 +370,15 @@ class _Running:
         # A simulated straggler's GPU is a physical property: its ceiling makes the *starting*
         # schedule `slowdown` slower and stays the same when plans change.
         self.ceiling_mhz = _straggler_ceiling_mhz(config, schedule, slowdown) if simulate and slowdown else None
+
+    def resumed(self, ctx: DistContext, resumed: Resumed) -> None:
+        """Go on counting plan revisions from the checkpoint's; a plan file that changed since counts as one more."""
+        changed = resumed.plan_digest is not None and self.digest is not None and resumed.plan_digest != self.digest
+        self.revision = resumed.plan_revision + int(changed)
+        self.reason = "rollout" if changed else self.reason
+        if ctx.rank == 0:
+            log.info("resuming from %s after step %d (plan revision %d%s)", resumed.path, resumed.step,
+                     resumed.plan_revision, ", the plan file changed since" if changed else "")
 
     def simulated(self, slowed: bool = False):
         """This replica's modelled iteration (`ReplicaIteration`), on the slowed GPU if `slowed`; None on NVML."""
@@ -571,6 +630,7 @@ class _Outputs:
     """train.jsonl on rank 0 and the rank-local metrics endpoint."""
 
     def __init__(self, ctx: DistContext, config: TrainConfig, schedule: Schedule) -> None:
+        # A resumed run's file starts at the step after its checkpoint: this run's steps, one line each.
         self.writer = JsonlWriter(Path(config.out_dir) / "train.jsonl") if config.out_dir and ctx.rank == 0 else None
         self.exporter = None
         if config.metrics_port is not None:
