@@ -13,12 +13,18 @@ is what lets the tests compare them — and `shard` is the one place that knows 
 Layers are named by their global index (`layers.7.qkv`), so a stage holds exactly its layers.
 The embedding lives on the first stage, final norm + output layer + loss on the last; with tied
 embeddings and several stages both ends hold a copy whose gradients are summed every step.
+
+Parameters are made one at a time: a full tensor is generated, this rank's slice is *copied* out of
+it (a view would keep the whole full tensor alive: about 100 GB of host memory per rank for a 70B
+stage at TP8) and moved to the device before the next one is generated. So a rank's host memory
+never holds more than its shard plus one full tensor (on a GPU: one full tensor).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,11 +87,12 @@ def init_full(name: str, dims: tuple[int, ...], shape: ModelShape, seed: int) ->
         return torch.ones(dims)
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     std = INIT_STD / math.sqrt(2 * shape.num_layers) if base in ("proj", "fc2") else INIT_STD
-    return torch.randn(dims, generator=generator) * std
+    return torch.randn(dims, generator=generator).mul_(std)  # in place: one full tensor, not two
 
 
 def shard(name: str, full: Tensor, shape: ModelShape, tp_rank: int, tp: int) -> Tensor:
-    """This tensor-parallel rank's slice of the full parameter `name`."""
+    """This tensor-parallel rank's slice of the full parameter `name`: its own storage, never a
+    view of `full` (or the full tensor could not be freed)."""
     if tp == 1:
         return full
     base = name.rsplit(".", 1)[-1]
@@ -102,8 +109,25 @@ def shard(name: str, full: Tensor, shape: ModelShape, tp_rank: int, tp: int) -> 
         n = local.ffn_hidden_size
         return torch.cat((gate[tp_rank * n:(tp_rank + 1) * n], up[tp_rank * n:(tp_rank + 1) * n]))
     if base in ("proj", "fc2"):
-        return full.chunk(tp, dim=1)[tp_rank]
+        return full.chunk(tp, dim=1)[tp_rank].contiguous()
     return full
+
+
+def initial_params(shape: ModelShape, layout: StageLayout, tp: int, tp_rank: int,
+                   seed: int) -> Iterator[tuple[str, Tensor]]:
+    """(name, this rank's initial value) of each parameter of the stage, made one at a time: the
+    full tensor behind a slice is freed before the next is generated."""
+    for layer in layout.layers:
+        for base, dims in full_shapes(shape).items():
+            name = f"layers.{layer}.{base}"
+            yield name, shard(name, init_full(name, dims, shape, seed), shape, tp_rank, tp)
+    table = (shape.vocab_size, shape.hidden_size)
+    if layout.is_first or (layout.is_last and shape.tied_embeddings):
+        yield "embedding", init_full("embedding", table, shape, seed)
+    if layout.is_last:
+        yield "final_norm", torch.ones(shape.hidden_size)
+        if not shape.tied_embeddings:
+            yield "output", init_full("output", table, shape, seed)
 
 
 class StageModel(nn.Module):
@@ -116,20 +140,10 @@ class StageModel(nn.Module):
         self.layout = layout
         self.local = LocalShape.of(shape, tp)
         self.tp, self.tp_rank = tp, tp_rank
-        params: dict[str, Tensor] = {}
-        for layer in layout.layers:
-            for base, dims in full_shapes(shape).items():
-                name = f"layers.{layer}.{base}"
-                params[name] = shard(name, init_full(name, dims, shape, seed), shape, tp_rank, tp)
-        table = (shape.vocab_size, shape.hidden_size)
-        if layout.is_first or (layout.is_last and shape.tied_embeddings):
-            params["embedding"] = init_full("embedding", table, shape, seed)
-        if layout.is_last:
-            params["final_norm"] = torch.ones(shape.hidden_size)
-            if not shape.tied_embeddings:
-                params["output"] = init_full("output", table, shape, seed)
-        self.params = nn.ParameterDict(
-            {_key(n): nn.Parameter(t.to(device=device, dtype=dtype)) for n, t in params.items()})
+        self.params = nn.ParameterDict()
+        for name, local in initial_params(shape, layout, tp, tp_rank, seed):
+            self.params[_key(name)] = nn.Parameter(local.to(device=device, dtype=dtype))
+            del local  # on a GPU the host copy goes before the next full tensor is made
 
     def param(self, name: str) -> nn.Parameter:
         return self.params[_key(name)]
