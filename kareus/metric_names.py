@@ -34,6 +34,12 @@ PROFILE_CACHE_HITS_TOTAL = "kareus_profile_cache_hits_total"
 JOB_PHASE = "kareus_job_phase"
 JOB_CONDITION = "kareus_job_condition"
 JOB_MEASURED_ENERGY_JOULES = "kareus_job_measured_energy_joules"
+# A training KareusJob's progress (status.measured): the share of its steps done (0–1), the seconds
+# left at the measured iteration time, and the energy of all its steps at the measured rate (the
+# energy still to spend is this minus the measured energy).
+JOB_PROGRESS_RATIO = "kareus_job_progress_ratio"
+JOB_ETA_SECONDS = "kareus_job_eta_seconds"
+JOB_PROJECTED_ENERGY_JOULES = "kareus_job_projected_energy_joules"
 # Cluster power budget (kareus.power_budget; the operator exports them): the budget per scope
 # (label scope=cluster|gpuProduct|nodePool, name), each job's allotment (the predicted average
 # power of its assigned frontier point) and measured average power, and the jobs held for lack of power.

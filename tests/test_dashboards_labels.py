@@ -78,7 +78,9 @@ def operator_series() -> dict[str, set[str]]:
 
     job = {"metadata": {"uid": "uid-1", "namespace": "team-a", "name": "llama"}}
     metrics.observe_status(job, {"phase": "Training", "power": {"allottedWatts": 4000.0, "held": False},
-                                 "measured": {"energyJoules": 9e3, "averagePowerWatts": 3900.0}})
+                                 "measured": {"energyJoules": 9e3, "averagePowerWatts": 3900.0,
+                                              "percentComplete": 25.0, "etaSeconds": 600.0,
+                                              "projectedTotalJoules": 3.6e4}})
     metrics.observe_power_budget(PowerBudget(cluster_w=9000.0), None)
     return labels_by_series(metrics.exposition().decode(), set())
 

@@ -203,3 +203,31 @@ def test_checkpoint_status_keeps_the_last_checkpoint_seen():
     first = checkpoint_status({"resumedFromStep": 0, "checkpoint": {"lastStep": 4, "lastTime": "T"}}, None)
     assert first == {"lastStep": 4, "lastTime": "T", "resumedFromStep": 0}
     assert checkpoint_status({"resumedFromStep": 4}, first) == {"lastStep": 4, "lastTime": "T", "resumedFromStep": 4}
+
+
+def test_operator_exports_progress_while_training_only():
+    from kareus_operator.metrics import OperatorMetrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(metrics) -> dict[str, float]:
+        return {s.name: s.value for f in text_string_to_metric_families(metrics.exposition().decode())
+                for s in f.samples if s.name.startswith(("kareus_job_progress", "kareus_job_eta", "kareus_job_projected"))}
+
+    metrics = OperatorMetrics()
+    job = {"metadata": {"uid": "u", "namespace": "team-a", "name": "llama"}}
+    measured = {"energyJoules": 9e3, "percentComplete": 25.0, "etaSeconds": 600.0, "projectedTotalJoules": 3.6e4}
+    metrics.observe_status(job, {"phase": "Training", "measured": measured})
+    assert samples(metrics) == {"kareus_job_progress_ratio": 0.25, "kareus_job_eta_seconds": 600.0,
+                                "kareus_job_projected_energy_joules": 3.6e4}
+    metrics.observe_status(job, {"phase": "Succeeded", "measured": measured | {"percentComplete": 100.0}})
+    assert samples(metrics) == {}
+
+
+def test_the_jobs_dashboard_shows_eta_and_energy_still_to_spend():
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "helm" / "kareus" / "dashboards" / "job.json")
+                           .read_text())
+    exprs = {panel["title"]: [t["expr"] for t in panel.get("targets", [])] for panel in dashboard["panels"]}
+    assert "kareus_job_eta_seconds" in exprs["ETA"][0]
+    [left] = exprs["Energy still to spend"]
+    projected, measured = left.split(" - ")
+    assert "kareus_job_projected_energy_joules" in projected and "kareus_job_measured_energy_joules" in measured

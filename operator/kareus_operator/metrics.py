@@ -5,7 +5,9 @@ no aggregate can say: the phase a job is in (`kareus_job_phase`, so "profiling f
 job's state, not a count that other jobs keep up), each status condition (`kareus_job_condition`:
 1 True, 0 False — ClockControlDegraded, BudgetExceeded, …) and the energy `status.measured` holds
 (`kareus_job_measured_energy_joules`, summed per namespace against its policy budget, as the
-operator's own admission check sums it).
+operator's own admission check sums it). A training job's progress: `kareus_job_progress_ratio`,
+`kareus_job_eta_seconds` and `kareus_job_projected_energy_joules` (the jobs dashboard's ETA and
+energy still to spend, projected minus measured).
 
 One `OperatorMetrics` object owns its own registry (no module-level collectors), so tests and a
 restarted operator never share counters.
@@ -56,6 +58,16 @@ class OperatorMetrics:
         self.job_energy = Gauge(metric_names.JOB_MEASURED_ENERGY_JOULES,
                                 "GPU energy a KareusJob has measured so far (status.measured.energyJoules)",
                                 job_labels, registry=self.registry)
+        # Progress of a training job (status.measured): what the jobs dashboard shows as ETA and
+        # energy still to spend; a finished job's series go.
+        self.job_progress = Gauge(metric_names.JOB_PROGRESS_RATIO, "Share of a KareusJob's steps completed "
+                                  "(status.measured.percentComplete / 100)", job_labels, registry=self.registry)
+        self.job_eta = Gauge(metric_names.JOB_ETA_SECONDS, "Seconds of training a KareusJob has left at its measured "
+                             "iteration time (status.measured.etaSeconds)", job_labels, registry=self.registry)
+        self.job_projected_energy = Gauge(metric_names.JOB_PROJECTED_ENERGY_JOULES,
+                                          "GPU energy of all of a KareusJob's steps at the measured rate "
+                                          "(status.measured.projectedTotalJoules)", job_labels, registry=self.registry)
+        self._progress_jobs: set[tuple[str, str]] = set()
         # The cluster power budget (kareus_operator.power): each budget, each job's allotment (the
         # predicted power of its frontier point; 0 while held) and measured power, the held jobs.
         self.power_budget = Gauge(metric_names.POWER_BUDGET_WATTS,
@@ -108,7 +120,27 @@ class OperatorMetrics:
         energy_j = (status.get("measured") or {}).get("energyJoules")
         self.job_energy.labels(*labels).set(float(energy_j or 0.0))
         self._observe_job_power(labels, phase, status)
+        self._observe_progress(labels, phase, status.get("measured") or {})
         self._exported[uid] = (labels, phase, frozenset(conditions))
+
+    def _observe_progress(self, labels: tuple[str, str], phase: str, measured: Mapping[str, Any]) -> None:
+        """A training job's progress, ETA and projected energy; none for a job not training."""
+        values = {self.job_progress: measured.get("percentComplete"), self.job_eta: measured.get("etaSeconds"),
+                  self.job_projected_energy: measured.get("projectedTotalJoules")}
+        if phase != "Training" or all(value is None for value in values.values()):
+            self._forget_progress(labels)
+            return
+        for gauge, value in values.items():
+            if value is not None:
+                gauge.labels(*labels).set(float(value) / (100.0 if gauge is self.job_progress else 1.0))
+        self._progress_jobs.add(labels)
+
+    def _forget_progress(self, labels: tuple[str, str]) -> None:
+        if labels in self._progress_jobs:
+            self._progress_jobs.discard(labels)
+            for gauge in (self.job_progress, self.job_eta, self.job_projected_energy):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
 
     def forget(self, uid: str) -> None:
         previous = self._phase.pop(uid, None)
@@ -122,6 +154,7 @@ class OperatorMetrics:
                 self.job_condition.remove(*labels, condition)
             self.job_energy.remove(*labels)
             self._forget_job_power(labels)
+            self._forget_progress(labels)
 
     def _observe_job_power(self, labels: tuple[str, str], phase: str, status: Mapping[str, Any]) -> None:
         """A training job's allotted and measured power; a finished job draws none (series removed)."""

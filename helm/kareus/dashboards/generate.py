@@ -204,9 +204,12 @@ def job_view() -> dict:
     # time and the job-scope energy (every rank reports the same sum over all GPUs).
     iteration_s = f"max by ({per_job}) ({m.ITERATION_SECONDS}{{{job}}})"
     iteration_j = f'max by ({per_job}) ({m.ITERATION_ENERGY_JOULES}{{{job},scope="job"}})'
+    energy_left_j = (f"max by ({per_job}) ({m.JOB_PROJECTED_ENERGY_JOULES}{{{job}}}) - "
+                     f"max by ({per_job}) ({m.JOB_MEASURED_ENERGY_JOULES}{{{job}}})")
     return dashboard(
         "kareus-job", "Kareus / Job",
-        "One KareusJob: iteration time and energy, tokens per joule, the plan in use and its predictions.",
+        "One KareusJob: iteration time and energy, tokens per joule, the plan in use and its predictions, "
+        "progress, ETA and the energy still to spend.",
         [query_variable("namespace", "Namespace", f"label_values({m.PLAN_INFO}, namespace)"),
          query_variable("kareusjob", "KareusJob", f'label_values({m.PLAN_INFO}{{namespace=~"$namespace"}}, kareusjob)')],
         [
@@ -235,6 +238,24 @@ def job_view() -> dict:
             timeseries_panel("SM clocks of the job's GPUs",
                              [target(f"{m.GPU_SM_CLOCK_HERTZ}{{{job}}}", "{{node}} {{gpu_uuid}}")],
                              "hertz", "The clocks the plan switches between, per instruction.", w=GRID_W),
+            row("Progress"),
+            stat_panel("Complete", f"max by ({per_job}) ({m.JOB_PROGRESS_RATIO}{{{job}}})", "percentunit",
+                       "Share of spec.training.steps done, across restarts (status.measured.percentComplete)."),
+            stat_panel("ETA", f"max by ({per_job}) ({m.JOB_ETA_SECONDS}{{{job}}})", "s",
+                       "Training time left at the measured iteration time (status.measured.etaSeconds)."),
+            stat_panel("Energy still to spend", energy_left_j, "joule",
+                       "Energy of the steps left at the measured rate: projectedTotalJoules minus energyJoules."),
+            stat_panel("Energy spent", f"max by ({per_job}) ({m.JOB_MEASURED_ENERGY_JOULES}{{{job}}})", "joule",
+                       "GPU energy of the steps done, each counted once across restarts (status.measured.energyJoules)."),
+            timeseries_panel("ETA", [target(f"max by ({per_job}) ({m.JOB_ETA_SECONDS}{{{job}}})",
+                                            "{{namespace}}/{{kareusjob}}")],
+                             "s", "Training time left; it falls by one second a second when the pace holds."),
+            timeseries_panel("Energy spent and still to spend",
+                             [target(f"max by ({per_job}) ({m.JOB_MEASURED_ENERGY_JOULES}{{{job}}})",
+                                     "spent {{kareusjob}}", "A"),
+                              target(energy_left_j, "still to spend {{kareusjob}}", "B")],
+                             "joule", "The measured energy and the energy the rest of the run will spend at the "
+                                      "measured rate; together the projected total."),
             row("Plan"),
             table_panel("Plan in use: predicted vs measured",
                         [target(f'{m.PLAN_INFO}{{{job},rank="0"}}', ref="A", instant=True, table_format=True),
