@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -117,12 +118,20 @@ class TrainState:
             for key, value in self._optimizer_state(param, for_load).items():
                 out[f"optim/{name}/{shard}/{key}"] = value
         out[f"rng/rank{self.rank}"] = torch.get_rng_state()
+        if self._cuda:
+            out[f"rng/rank{self.rank}/cuda"] = torch.cuda.get_rng_state()
         return out
+
+    @property
+    def _cuda(self) -> bool:
+        return any(p.device.type == "cuda" for p in self.params.values())
 
     def restore(self, loaded: dict[str, Any]) -> None:
         """After DCP loaded into `state_dict(for_load=True)`: the RNG state (parameters and optimizer
         tensors were loaded in place)."""
         torch.set_rng_state(loaded[f"rng/rank{self.rank}"])
+        if self._cuda:
+            torch.cuda.set_rng_state(loaded[f"rng/rank{self.rank}/cuda"])
 
     def _optimizer_state(self, param: torch.nn.Parameter, for_load: bool) -> dict[str, torch.Tensor]:
         state = self.optimizer.state.get(param)
@@ -158,6 +167,7 @@ class Checkpointer:
     def save(self, state: TrainState, step: int, *, plan_revision: int, plan_digest: str | None,
              reason: str) -> Path:
         """Write the checkpoint after `step` completed steps (collective); returns its directory."""
+        started = time.perf_counter()
         final = self.root / f"{_PREFIX}{step:08d}"
         partial = self.root / f"{_PARTIAL}{_PREFIX}{step:08d}"
         if self.rank == 0:
@@ -180,7 +190,8 @@ class Checkpointer:
             os.replace(partial, final)
             _fsync_dir(self.root)
             self._prune()
-            log.info("checkpoint after step %d (%s): %s", step, reason, final)
+            log.info("checkpoint after step %d (%s): %s in %.2f s", step, reason, final,
+                     time.perf_counter() - started)
         self._barrier()
         return final
 

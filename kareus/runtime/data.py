@@ -169,10 +169,10 @@ def _megatron(path: Path) -> np.ndarray:
 
 def _check_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:
     """Every id in 0..vocab-1, the whole file in chunks (a memory map is never loaded at once)."""
-    low, high = 0, 0
-    for start in range(0, tokens.size, _CHECK_CHUNK):
-        chunk = tokens[start:start + _CHECK_CHUNK]
-        low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+    if not tokens.size:
+        return
+    chunks = [tokens[start:start + _CHECK_CHUNK] for start in range(0, tokens.size, _CHECK_CHUNK)]
+    low, high = min(int(c.min()) for c in chunks), max(int(c.max()) for c in chunks)
     if low < 0 or high >= vocab_size:
         raise KareusError(f"{what}: token ids must be in 0..{vocab_size - 1} (the model's vocabulary), "
                           f"found {low}..{high}")
