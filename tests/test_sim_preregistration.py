@@ -114,3 +114,8 @@ def test_the_fit_record_carries_the_files_history(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "label changed after results were seen (2026-12-01): b: fit -> holdout (it failed)" in text
     assert "model choice informed by results (2026-12-01): host_launch_s: left out" in text
+    # A recorded relabel does not stop a fit, and the written file keeps the history.
+    out = tmp_path / "p.json"
+    assert main(["sim", "calibrate", "--targets", str(path), "--fit", "gemm_efficiency", "--max-evaluations", "3",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["fit"]["history"]["label_changes"][0]["row"] == "b"

@@ -12,7 +12,7 @@ the *fit* targets, and reports the errors of the fit and the *held-out* targets 
 The calibration is pre-registered: every row of a target file names its split, and a row whose
 split is not the one it was registered with (`registered`) needs a `# label-change:` line in the
 file giving the date and the reason (`read_target_file`); a row registered held-out is never
-fitted, whatever its label says now (`check_preregistration`, also in `fit`). `# model-choice:`
+fitted, whatever its label says now (`check_preregistration`; `fit` itself refuses it, `refuse_held_out`). `# model-choice:`
 lines record the other decisions taken after results were seen (a parameter left out, a target
 that also appears as a result).
 
@@ -284,6 +284,14 @@ def read_csv(path: str | Path) -> list[Target]:
     return list(read_target_file(path).targets)
 
 
+def refuse_held_out(targets: Sequence[Target], where: str = "calibrate") -> None:
+    """One `KareusError` naming the first row registered held-out that is labelled fit."""
+    for t in targets:
+        if t.registered_split == "holdout" and t.split == "fit":
+            raise KareusError(f"{where}: row {t.name!r} is registered held-out; calibrate does not fit on "
+                              "held-out rows (its result has been seen): label it split=holdout")
+
+
 def check_preregistration(targets: Sequence[Target], changes: Sequence[LabelChange] = (), where: str = "calibrate"
                           ) -> None:
     """Refuse a fit on held-out rows: a row registered held-out is never fitted; a row whose label
@@ -293,10 +301,8 @@ def check_preregistration(targets: Sequence[Target], changes: Sequence[LabelChan
     for change in changes:
         if change.row not in names:
             raise KareusError(f"{where}: label change of {change.row!r} ({change.date}) names no row of the file")
+    refuse_held_out(targets, where)
     for t in targets:
-        if t.registered_split == "holdout" and t.split == "fit":
-            raise KareusError(f"{where}: row {t.name!r} is registered held-out; calibrate does not fit on "
-                              "held-out rows (its result has been seen): label it split=holdout")
         if t.split != t.registered_split and not any(
                 c.row == t.name and c.from_split == t.registered_split and c.to_split == t.split for c in changes):
             raise KareusError(f"{where}: row {t.name!r} was registered {t.registered_split} and is now {t.split}; "
@@ -503,7 +509,7 @@ def fit(targets: Sequence[Target], names: Sequence[str], start: SimCalibration |
     from scipy.optimize import least_squares
 
     start = start or SimCalibration()
-    check_preregistration(targets)
+    refuse_held_out(targets)
     fit_set = [t for t in targets if t.split == "fit"]
     holdout = [t for t in targets if t.split == "holdout"]
     if not fit_set:
