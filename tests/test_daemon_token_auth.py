@@ -63,7 +63,8 @@ class Cluster:
         self.plane = control_plane
         for account in ("trainer", "agent"):
             self.core.create_namespaced_service_account(namespace, {"metadata": {"name": account}})
-        rules = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
+        rules = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                 {"nonResourceURLs": ["/openid/v1/jwks"], "verbs": ["get"]}]  # the token signing keys
         if review_rights:
             rules.append({"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]})
         self.role = f"{namespace}-agent"
@@ -77,10 +78,16 @@ class Cluster:
         (self.agent_dir / "token").write_text(self.token("agent", audiences=None))
         (self.agent_dir / "ca.crt").write_bytes(control_plane.ca_file.read_bytes())
 
-    def pod(self, name: str, node: str = NODE) -> client.V1Pod:
-        return self.core.create_namespaced_pod(self.namespace, {"metadata": {"name": name}, "spec": {
+    def pod(self, name: str, node: str = NODE, *, job: str = "llama") -> client.V1Pod:
+        """A pod of KareusJob `job` (the label the operator sets) whose address, as a kubelet would
+        report it, is loopback: the daemon checks that a token comes from its pod's address."""
+        pod = self.core.create_namespaced_pod(self.namespace, {"metadata": {"name": name, "labels": {
+            "kareus.dev/job-name": job}}, "spec": {
             "nodeName": node, "serviceAccountName": "trainer", "terminationGracePeriodSeconds": 0,
             "containers": [{"name": "main", "image": "example.org/train:1"}]}})
+        self.core.patch_namespaced_pod_status(name, self.namespace, {"status": {
+            "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}})
+        return pod
 
     def token(self, account: str = "trainer", *, pod: client.V1Pod | None = None,
               audiences: list[str] | None = (AUDIENCE,)) -> str:

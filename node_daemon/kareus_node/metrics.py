@@ -94,6 +94,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     """A thread per connection, but at most `max_connections` of them; the surplus is closed at accept."""
 
     daemon_threads = True
+    request_queue_size = 128  # a full accept queue would leave the surplus waiting instead of closed
 
     def __init__(self, address: tuple[str, int], handler: type, *, max_connections: int) -> None:
         super().__init__(address, handler)
