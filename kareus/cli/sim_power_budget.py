@@ -1,13 +1,16 @@
-"""`kareus sim power-budget` — Kareus' power allocation against a uniform per-GPU power limit.
+"""`kareus sim power-budget` — Kareus' power allocation against uniform per-GPU power limits.
 
     kareus sim power-budget JOB.yaml|PLAN.json … --budget-w W [--method exact|greedy] --json
 
 For the same jobs and cluster budget (watts), the twin runs (a) Kareus' allocation — each job at
-the frontier point `kareus.power_budget.allocate` assigns — and (b) what a cluster does today: a
-uniform per-GPU power limit of W ÷ GPUs, each job at its own plan's point, throttled by the
-simulated GPU's power controller. `--json` prints `{"kareus": {…}, "uniform_power_limit": {…},
-"throughput_ratio": …}` with iterations/s summed, normalised throughput (each job's fastest point
-= 1) and power. A JOB.yaml is profiled and planned on the simulated GPU first; a PLAN.json is used
+the point `kareus.power_budget.allocate` assigns: a frontier row, or a row under a per-GPU power
+limit where the budget is below the frontiers — and (b) what a cluster does today: every GPU limited
+to the same share of its board's maximum, each job at its own plan's point, throttled by the
+simulated GPU's power controller; open-loop (W ÷ GPUs, `uniform_power_limit`), closed-loop (the
+share raised until the cluster draws W, `uniform_closed_loop`) and at the share that draws what
+Kareus draws (`uniform_at_equal_power`). `--json` prints every number (`docs/power-budget.md`);
+`allocation.feasible` is true wherever a uniform limit meets the budget, and then `kareus.power_w`
+is within it. A JOB.yaml is profiled and planned on the simulated GPU first; a PLAN.json is used
 as it is.
 """
 
@@ -59,11 +62,19 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0
     print(f"{len(result['kareus']['jobs'])} jobs on {result['gpus']} GPUs, budget {result['budget_w']:.0f} W "
-          f"(uniform limit {result['uniform_limit_w_per_gpu']:.0f} W per GPU)")
-    print(f"{'':24}{'iterations/s':>14}{'normalised':>12}{'power':>12}")
-    for label, key in (("Kareus allocation", "kareus"), ("uniform power limit", "uniform_power_limit")):
-        r = result[key]
-        print(f"{label:24}{r['iterations_per_s']:>14.4g}{r['normalised_throughput']:>12.4g}{r['power_w']:>10.0f} W")
-    print(f"throughput ratio (normalised) {result['throughput_ratio']:.4f}, iterations/s ratio "
-          f"{result['iterations_ratio']:.4f}")
+          f"(uniform limit {result['uniform_limit_w_per_gpu']:.0f} W per GPU); allocation "
+          f"{'feasible' if result['allocation']['feasible'] else 'infeasible'}: {result['allocation']['message']}")
+    print(f"{'':34}{'iterations/s':>14}{'normalised':>12}{'power':>12}")
+    rows = [("Kareus allocation", result["kareus"]), ("uniform limit W ÷ GPUs", result["uniform_power_limit"])]
+    if result["uniform_closed_loop"]["feasible"]:
+        rows.append((f"uniform closed loop ({result['uniform_closed_loop']['limit_w_per_gpu']:.0f} W/GPU)",
+                     result["uniform_closed_loop"]))
+    rows.append((f"uniform at equal power ({result['uniform_at_equal_power']['limit_w_per_gpu']:.0f} W/GPU)",
+                 result["uniform_at_equal_power"]))
+    for label, r in rows:
+        print(f"{label:34}{r['iterations_per_s']:>14.4g}{r['normalised_throughput']:>12.4g}{r['power_w']:>10.0f} W")
+    closed = result.get("throughput_ratio_at_equal_budget")
+    print(f"throughput ratio (normalised): vs W ÷ GPUs {result['throughput_ratio']:.4f}, at equal budget "
+          f"(closed loop) {'-' if closed is None else f'{closed:.4f}'}, at equal drawn power "
+          f"{result['throughput_ratio_at_equal_power']:.4f}")
     return 0

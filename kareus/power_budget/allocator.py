@@ -1,13 +1,19 @@
-"""Cluster power budget: one frontier point per job, the jobs' power within budget, throughput highest.
+"""Cluster power budget: one point per job, the jobs' power within budget, throughput highest.
 
 Every KareusJob's plan carries its iteration frontier: points `(time_s, energy_j)` over all of the
 job's GPUs, static energy included, so each point has a predicted average power
-`power_w = energy_j / time_s`. Given a budget in watts — for the whole cluster and/or per GPU
-product and node pool (`kareus.policy.PowerBudget`) — `allocate(jobs, budget)` picks one point per
-job so that the predicted powers of the jobs under every budget sum to at most that budget and the
-jobs' summed **normalised throughput** is largest: a job at point p counts
-`weight × T_fastest / T_p` (1 at its fastest point), so jobs of different sizes and models are
-comparable. It is a multiple-choice knapsack over the frontiers.
+`power_w = energy_j / time_s`. A job may also carry **power-limited points** below or beside its
+frontier: a frontier row run under a per-GPU board power limit (`PowerPoint.power_limit_w`, what
+`nvidia-smi -pl` sets), predicted by the simulated GPU's power controller
+(`kareus.power_budget.twin.power_limited_points`). They reach down to the board's lowest limit, so
+wherever a uniform power limit meets a budget the allocation can too.
+
+Given a budget in watts — for the whole cluster and/or per GPU product and node pool
+(`kareus.policy.PowerBudget`) — `allocate(jobs, budget)` picks one point per job so that the
+predicted powers of the jobs under every budget sum to at most that budget and the jobs' summed
+**normalised throughput** is largest: a job at point p counts `weight × T_fastest / T_p` (1 at its
+fastest point), so jobs of different sizes and models are comparable. It is a multiple-choice
+knapsack over the points.
 
 Rules, in order:
 
@@ -16,10 +22,15 @@ Rules, in order:
    point leaves the job its fastest (time) or least-energy (energy) point.
 2. Running jobs are never held. New jobs (`running=False`) are admitted in list order while every
    budget still fits all admitted jobs at their lowest-power candidates; the others are held (not
-   started), and the result says which. If the running jobs alone cannot fit, the allocation is
-   infeasible: running jobs get their lowest-power candidates (never slower than their deadlines)
-   and the message says by how much the budget is exceeded.
-3. Among admitted jobs, throughput is maximised by one of two methods:
+   started), and the result says which.
+3. The budget is a physical limit, an objective is not: when the running jobs cannot fit at points
+   that keep their objectives but can at any of their points, every running job's objective yields
+   for this allocation (all its points are candidates), every new job is held, and the result names
+   the jobs whose point misses their objective (`meets_objective` false). Only when the running
+   jobs cannot fit even at their lowest-power points is the allocation infeasible: they get their
+   lowest-power candidates that keep their objectives (never slower than their deadlines) and the
+   message says by how much the budget is exceeded.
+4. Among admitted jobs, throughput is maximised by one of two methods:
 
    - `exact`: dynamic programming over power discretised in steps of δ watts (`resolution_w`;
      default: the step at which n·δ is 0.2 % of each budget, coarser only if the largest budget
@@ -29,14 +40,19 @@ Rules, in order:
      rounded *down* solves a relaxation, so it and the greedy's LP bound (below) are upper bounds
      on the true optimum; `upper_bound` is the smaller, and `upper_bound − value` a certified gap.
      Budgets must nest (node pools inside GPU products inside the cluster): the DP runs over that
-     tree. Budgets that cross fall back to `greedy` (said in the message). Where the greedy's
-     assignment (cheap to compute) has the higher value — rounding can cost the DP up to its bound
-     — that one is returned, so `exact` is never worse than `greedy`.
+     tree. Budgets that cross, and instances whose DP would take more than `MAX_DP_WORK` cell
+     updates (about a thousand jobs), fall back to `greedy` (said in the message). Where the
+     greedy's assignment (cheap to compute) has the higher value — rounding can cost the DP up to
+     its bound — that one is returned, so `exact` is never worse than `greedy`.
    - `greedy`: every job starts at its lowest-power candidate and climbs its upper concave hull of
      (power, value); the step with the best value per watt that fits every budget on the job's way
      up is taken next. Its bound: the LP relaxation (fractional hull steps) is an upper bound on
      the optimum, and with one budget the greedy is within one hull step's value of it
      (value ≥ LP − max step Δv). `upper_bound` is the smallest of the LP bounds per budget level.
+
+   `incumbents` are whole assignments to compare with (e.g. a uniform power limit's points): one
+   that fits every budget, gives each job a candidate and has a higher value is returned instead,
+   so the allocation is never worse than any of them.
 
 Limits: predicted power is the plan's average over an iteration, not a peak; power of GPUs that
 run no KareusJob is not counted (give the budget net of them); jobs' points are taken as
@@ -62,16 +78,19 @@ from kareus.policy import PowerBudget, gpu_model_key
 METHODS = ("exact", "greedy")
 SHRINK = 2e-3  # the exact DP's default step loses at most this share of any budget
 MAX_CELLS = 100_000  # DP steps in the largest budget, at most (memory and time bound)
+MAX_DP_WORK = 400_000_000  # candidate points × DP steps, at most: beyond it (≈ 1,000 jobs) the greedy runs
 _REL = 1e-9  # float slack when comparing sums with budgets
 
 
 @dataclass(frozen=True)
 class PowerPoint:
-    """One frontier point of a job: its row in the plan's frontier table, time and energy (all GPUs)."""
+    """One point of a job: its row in the plan's frontier table, time and energy (all GPUs), and the
+    per-GPU board power limit it runs under (None: the row's clocks alone, no limit set)."""
 
     row: int
     time_s: float
     energy_j: float
+    power_limit_w: float | None = None
 
     @property
     def power_w(self) -> float:
@@ -106,7 +125,46 @@ class PowerJob:
 
     @cached_property
     def fastest_time_s(self) -> float:
-        return min(p.time_s for p in self.points)
+        return float(self._point_arrays[:, 0].min())
+
+    @cached_property
+    def _point_arrays(self) -> np.ndarray:
+        # Vectorised: an operator pass over a thousand jobs of hundreds of points each reads them once.
+        return np.array([(p.time_s, p.energy_j) for p in self.points], float).reshape(-1, 2)
+
+    @cached_property
+    def _candidate_index(self) -> np.ndarray:
+        times, energies = self._point_arrays.T
+        fits = np.ones(len(self.points), bool)
+        if self.max_time_s is not None:
+            fits &= times <= self.max_time_s * (1 + _REL)
+        if self.max_energy_j is not None:
+            fits &= energies <= self.max_energy_j * (1 + _REL)
+        if fits.any():
+            return np.flatnonzero(fits)
+        if self.max_time_s is not None:
+            return np.lexsort((energies, times))[:1]
+        return np.lexsort((times, energies))[:1]
+
+    @cached_property
+    def _candidates(self) -> tuple[PowerPoint, ...]:
+        return tuple(self.points[i] for i in self._candidate_index.tolist())
+
+    @cached_property
+    def candidate_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(power_w, value) of the candidates, in their order."""
+        times, energies = self._point_arrays[self._candidate_index].T
+        return energies / times, self.weight * self.fastest_time_s / times
+
+    @cached_property
+    def hull(self) -> tuple[PowerPoint, ...]:
+        """The upper concave hull of the candidates in (power, value), from the lowest power up."""
+        return tuple(_hull(self))
+
+    @property
+    def relaxed(self) -> PowerJob:
+        """The job with its objective dropped: every point is a candidate (rule 3)."""
+        return replace(self, max_time_s=None, max_energy_j=None)
 
     def meets_objective(self, point: PowerPoint) -> bool:
         fits_time = self.max_time_s is None or point.time_s <= self.max_time_s * (1 + _REL)
@@ -115,12 +173,7 @@ class PowerJob:
 
     def candidates(self) -> tuple[PowerPoint, ...]:
         """The points the allocator may give this job (rule 1 of the module docstring)."""
-        fitting = tuple(p for p in self.points if self.meets_objective(p))
-        if fitting:
-            return fitting
-        if self.max_time_s is not None:
-            return (min(self.points, key=lambda p: (p.time_s, p.energy_j)),)
-        return (min(self.points, key=lambda p: (p.energy_j, p.time_s)),)
+        return self._candidates
 
     def value(self, point: PowerPoint) -> float:
         """Weighted normalised throughput: 1 × weight at the fastest point."""
@@ -147,7 +200,8 @@ class PowerJob:
 
 @dataclass(frozen=True)
 class Allotment:
-    """What one job gets: a frontier row and its predicted power, or held (not started)."""
+    """What one job gets: a frontier row (and a per-GPU power limit, if its point needs one) and its
+    predicted power, or held (not started)."""
 
     name: str
     row: int | None
@@ -158,6 +212,7 @@ class Allotment:
     held: bool = False
     meets_objective: bool = True
     reason: str = ""
+    power_limit_w: float | None = None
 
     @property
     def iterations_per_s(self) -> float:
@@ -165,9 +220,12 @@ class Allotment:
 
     def status(self) -> dict[str, Any]:
         """A camelCase form for a KareusJob's status (e.g. `status.powerAllotment`)."""
-        return {"watts": round(self.power_w, 3), "frontierRow": self.row, "held": self.held,
-                "predictedIterationSeconds": self.time_s, "normalisedThroughput": round(self.normalised_throughput, 6),
-                "message": self.reason}
+        out = {"watts": round(self.power_w, 3), "frontierRow": self.row, "held": self.held,
+               "predictedIterationSeconds": self.time_s, "normalisedThroughput": round(self.normalised_throughput, 6),
+               "message": self.reason}
+        if self.power_limit_w is not None:
+            out["powerLimitWatts"] = round(self.power_limit_w, 3)
+        return out
 
 
 @dataclass(frozen=True)
@@ -214,7 +272,8 @@ class Allocation:
                             for b in self.budgets],
                 "allotments": [{"name": a.name, "row": a.row, "time_s": a.time_s, "energy_j": a.energy_j,
                                 "power_w": a.power_w, "normalised_throughput": a.normalised_throughput,
-                                "held": a.held, "meets_objective": a.meets_objective, "reason": a.reason}
+                                "held": a.held, "meets_objective": a.meets_objective, "reason": a.reason,
+                                "power_limit_w": a.power_limit_w}
                                for a in self.allotments]}
 
 
@@ -282,10 +341,12 @@ def _fits(usage: Mapping[str, float], constraints: Sequence[_Constraint]) -> boo
 
 
 def allocate(jobs: Sequence[PowerJob], budget: PowerBudget, *, method: str | None = None,
-             resolution_w: float | None = None) -> Allocation:
-    """One frontier point per job within `budget` (see the module docstring for the rules).
+             resolution_w: float | None = None,
+             incumbents: Sequence[Mapping[str, PowerPoint]] = ()) -> Allocation:
+    """One point per job within `budget` (see the module docstring for the rules).
 
-    `method` and `resolution_w` default to the budget's (`PowerBudget.method`, `.resolution_w`).
+    `method` and `resolution_w` default to the budget's (`PowerBudget.method`, `.resolution_w`);
+    `incumbents`: assignments (job name → one of its points) the result is never worse than.
     """
     method = method or budget.method
     if method not in METHODS:
@@ -294,42 +355,82 @@ def allocate(jobs: Sequence[PowerJob], budget: PowerBudget, *, method: str | Non
     if len(set(names)) != len(names):
         raise KareusError("power allocation: job names must be unique")
     constraints = _constraints(jobs, budget)
-    by_name = {j.name: j for j in jobs}
     admitted, held, feasible = _admit(jobs, constraints)
     note = ""
     if not feasible:
-        picks = {j.name: _lowest_power(j) for j in admitted}
-        bound = sum(j.value(p) for j in admitted for p in [picks[j.name]])
-        result = _result(jobs, picks, held, constraints, method, bound, None, feasible=False)
-        return _with_message(result, _infeasible_text(result, held))
+        relaxed = [j.relaxed for j in jobs if j.running]
+        if not _admit(relaxed, constraints)[2]:
+            picks = {j.name: _lowest_power(j) for j in admitted}
+            bound = sum(j.value(p) for j in admitted for p in [picks[j.name]])
+            result = _result(jobs, picks, held, constraints, method, bound, None, feasible=False)
+            return _with_message(result, _infeasible_text(result, held))
+        admitted = relaxed  # rule 3: the budget wins over the running jobs' objectives, new jobs wait
+        held = [j.name for j in jobs if not j.running]
+        note = "the running jobs fit the budget only if their objectives yield; "
+    picks, upper, step_w, method, how = _optimise(admitted, constraints, method, resolution_w or budget.resolution_w)
+    picks, chosen = _best_of(admitted, constraints, picks, incumbents)
+    result = _result(jobs, picks, held, constraints, method, upper, step_w, feasible=True)
+    missed = [a.name for a in result.allotments if not a.held and not a.meets_objective]
+    if note and missed:
+        note += f"objective missed by: {', '.join(missed)}; "
+    return _with_message(result, note + how + chosen + _summary_text(result))
+
+
+def _optimise(members: Sequence[PowerJob], constraints: Sequence[_Constraint], method: str,
+              resolution_w: float | None) -> tuple[dict[str, PowerPoint], float, float | None, str, str]:
+    """(picks, upper bound, DP step, method used, what happened) for the admitted jobs (rule 4)."""
+    note = ""
     if method == "exact" and (crossing := _crossing(constraints)) is not None:
         a, b = crossing
         method, note = "greedy", (f"budgets {a.key} and {b.key} cross (jobs in one but not all of both), so the "
                                   "exact DP (which needs nested budgets) fell back to greedy; ")
-    admitted_names = {j.name for j in admitted}
-    members = [by_name[n] for n in names if n in admitted_names]
+    step_w = resolution_w or _default_resolution(constraints)
+    if method == "exact" and (work := _dp_work(members, constraints, step_w)) > MAX_DP_WORK:
+        method, note = "greedy", (f"the exact DP would take {work:.2g} cell updates (more than {MAX_DP_WORK:.0e}), "
+                                  "so it fell back to greedy; ")
     if method == "exact":
-        step_w = resolution_w or budget.resolution_w or _default_resolution(constraints)
         try:
             picks = _exact(members, constraints, step_w, round_up=True)
         except _RoundingInfeasible as error:
             method, note = "greedy", f"{error}, so the exact DP fell back to greedy; "
-    if method == "exact":
-        greedy_picks = _greedy(members, constraints)  # cheap; where rounding lost more, it is better
-        if sum(j.value(greedy_picks[j.name]) for j in members) > sum(j.value(picks[j.name]) for j in members):
-            picks, note = greedy_picks, note + "the greedy's assignment beat the discretised DP's and is used; "
-        upper_picks = _exact(members, constraints, step_w, round_up=False)
-        upper = min(sum(j.value(upper_picks[j.name]) for j in members), _lp_bound(members, constraints))
-        result = _result(jobs, picks, held, constraints, "exact", upper, step_w, feasible=True)
-    else:
-        picks = _greedy(members, constraints)
-        result = _result(jobs, picks, held, constraints, "greedy", _lp_bound(members, constraints), None,
-                         feasible=True)
-    return _with_message(result, note + _summary_text(result))
+    if method != "exact":
+        return _greedy(members, constraints), _lp_bound(members, constraints), None, "greedy", note
+    greedy_picks = _greedy(members, constraints)  # cheap; where rounding lost more, it is better
+    if _value(members, greedy_picks) > _value(members, picks):
+        picks, note = greedy_picks, note + "the greedy's assignment beat the discretised DP's and is used; "
+    upper_picks = _exact(members, constraints, step_w, round_up=False)
+    upper = min(_value(members, upper_picks), _lp_bound(members, constraints))
+    return picks, upper, step_w, "exact", note
+
+
+def _dp_work(members: Sequence[PowerJob], constraints: Sequence[_Constraint], step_w: float) -> float:
+    """About how many cell updates the two DPs make: candidates × steps of the largest budget."""
+    finite = [c.limit_w for c in constraints if math.isfinite(c.limit_w)]
+    cells = max(finite, default=0.0) / step_w
+    return 2.0 * cells * sum(len(j.candidates()) for j in members)
+
+
+def _value(members: Sequence[PowerJob], picks: Mapping[str, PowerPoint]) -> float:
+    return sum(j.value(picks[j.name]) for j in members)
+
+
+def _best_of(members: Sequence[PowerJob], constraints: Sequence[_Constraint], picks: dict[str, PowerPoint],
+             incumbents: Sequence[Mapping[str, PowerPoint]]) -> tuple[dict[str, PowerPoint], str]:
+    """`picks`, or the incumbent with the higher value that gives every job a candidate and fits."""
+    best, note = picks, ""
+    for k, incumbent in enumerate(incumbents):
+        if not all(j.name in incumbent and incumbent[j.name] in j.candidates() for j in members):
+            continue
+        usage = {c.key: sum(incumbent[j.name].power_w for j in members if j.name in c.members) for c in constraints}
+        if _fits(usage, constraints) and _value(members, incumbent) > _value(members, best) + _tolerance(
+                _value(members, best)):
+            best, note = {j.name: incumbent[j.name] for j in members}, f"incumbent {k} beat the optimiser's and is used; "
+    return best, note
 
 
 def _lowest_power(job: PowerJob) -> PowerPoint:
-    return min(job.candidates(), key=lambda p: (p.power_w, -job.value(p)))
+    power, value = job.candidate_arrays
+    return job.candidates()[int(np.lexsort((-value, power))[0])]
 
 
 def _admit(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> tuple[list[PowerJob], list[str], bool]:
@@ -476,17 +577,21 @@ def _exact(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint], step_w:
 
 def _hull(job: PowerJob) -> list[PowerPoint]:
     """The upper concave hull of the candidates in (power, value), from the lowest power up."""
-    points = sorted(job.candidates(), key=lambda p: (p.power_w, -job.value(p)))
-    frontier: list[PowerPoint] = []
-    for p in points:  # keep points that add value for more power
-        if not frontier or job.value(p) > job.value(frontier[-1]) + 1e-15:
-            frontier.append(p)
-    hull: list[PowerPoint] = []
-    for p in frontier:
-        while len(hull) >= 2 and _slope(job, hull[-2], hull[-1]) <= _slope(job, hull[-1], p):
-            hull.pop()
-        hull.append(p)
-    return hull
+    power, value = job.candidate_arrays
+    order = np.lexsort((-value, power))
+    ordered = value[order]
+    before = np.concatenate(([-np.inf], np.maximum.accumulate(ordered)[:-1]))
+    kept = order[ordered > before + 1e-15]  # points that add value for more power
+    while len(kept) > 2:
+        # A point on or below the chord of its neighbours is no vertex of the hull of the points left,
+        # so all such points can go at once (powers strictly rise along `kept`).
+        x, y = power[kept], value[kept]
+        inner = (y[1:-1] - y[:-2]) * (x[2:] - x[1:-1]) <= (y[2:] - y[1:-1]) * (x[1:-1] - x[:-2])
+        if not inner.any():
+            break
+        kept = np.concatenate((kept[:1], kept[1:-1][~inner], kept[-1:]))
+    candidates = job.candidates()
+    return [candidates[i] for i in kept.tolist()]
 
 
 def _slope(job: PowerJob, a: PowerPoint, b: PowerPoint) -> float:
@@ -494,7 +599,7 @@ def _slope(job: PowerJob, a: PowerPoint, b: PowerPoint) -> float:
 
 
 def _greedy(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> dict[str, PowerPoint]:
-    hulls = {j.name: _hull(j) for j in jobs}
+    hulls = {j.name: j.hull for j in jobs}
     at = {j.name: 0 for j in jobs}
     mine = {j.name: [c for c in constraints if j.name in c.members] for j in jobs}
     usage = {c.key: sum(hulls[n][0].power_w for n in c.members if n in hulls) for c in constraints}
@@ -518,7 +623,7 @@ def _greedy(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> dic
 
 def _lp_value(jobs: Sequence[PowerJob], limit_w: float) -> float:
     """The LP relaxation's optimum for `jobs` under one budget: fractional hull steps."""
-    hulls = [(_hull(j), j) for j in jobs]
+    hulls = [(j.hull, j) for j in jobs]
     value = sum(j.value(h[0]) for h, j in hulls)
     room = limit_w - sum(h[0].power_w for h, _ in hulls)
     steps = sorted(((j.value(h[k + 1]) - j.value(h[k]), h[k + 1].power_w - h[k].power_w)
@@ -535,7 +640,7 @@ def _lp_value(jobs: Sequence[PowerJob], limit_w: float) -> float:
 def _lp_bound(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> float:
     """An upper bound on the optimum: per budget level (disjoint budgets), the LP of each budget plus
     every job outside them at its best; the smallest over the levels."""
-    best = {j.name: max(j.value(p) for p in j.candidates()) for j in jobs}
+    best = {j.name: float(j.candidate_arrays[1].max()) for j in jobs}
     bounds = [sum(best.values())]
     for level in (0, 1, 2):
         chosen = [c for c in constraints if c.level == level]
@@ -562,10 +667,11 @@ def _result(jobs: Sequence[PowerJob], picks: Mapping[str, PowerPoint], held: Ite
                                         reason="held: the power budget cannot fit this job as well"))
             continue
         p = picks[job.name]
+        limit = "" if p.power_limit_w is None else f" under a {p.power_limit_w:.0f} W per-GPU power limit"
         allotments.append(Allotment(job.name, p.row, p.time_s, p.energy_j, p.power_w, job.fastest_time_s / p.time_s,
                                     meets_objective=job.meets_objective(p),
-                                    reason=f"allotted {p.power_w:.0f} W: frontier row {p.row}, "
-                                           f"{p.time_s:.4g} s/iteration"))
+                                    reason=f"allotted {p.power_w:.0f} W: frontier row {p.row}{limit}, "
+                                           f"{p.time_s:.4g} s/iteration", power_limit_w=p.power_limit_w))
     power = {a.name: a.power_w for a in allotments}
     uses = tuple(BudgetUse(c.key, c.limit_w, sum(power[n] for n in c.members), tuple(sorted(c.members)))
                  for c in constraints)
@@ -591,125 +697,3 @@ def _infeasible_text(result: Allocation, held: Sequence[str]) -> str:
             f"deadlines need more ({parts}); they keep those points")
     return text + (f"; new jobs held: {', '.join(held)}" if held else "")
 
-
-# ---------------------------------------------------------------------------------------------
-# The twin's comparison with a uniform per-GPU power limit
-
-
-@dataclass(frozen=True)
-class JobRun:
-    """One job's iteration as the twin simulates it (all of its GPUs)."""
-
-    name: str
-    row: int
-    gpus: int
-    time_s: float
-    energy_j: float
-    fastest_time_s: float  # its fastest frontier point, unthrottled: normalised throughput = this / time_s
-
-    @property
-    def power_w(self) -> float:
-        return self.energy_j / self.time_s
-
-
-@dataclass(frozen=True)
-class PolicyRun:
-    """Every job's run under one way of keeping the cluster within its power."""
-
-    jobs: tuple[JobRun, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        normalised = [j.fastest_time_s / j.time_s for j in self.jobs]
-        return {"iterations_per_s": sum(1.0 / j.time_s for j in self.jobs),
-                "normalised_throughput": sum(normalised),
-                "mean_normalised_throughput": sum(normalised) / len(normalised),
-                "power_w": sum(j.power_w for j in self.jobs),
-                "jobs": [{"name": j.name, "frontier_row": j.row, "gpus": j.gpus, "time_s": j.time_s,
-                          "energy_j": j.energy_j, "power_w": j.power_w, "normalised_throughput": n}
-                         for j, n in zip(self.jobs, normalised, strict=True)]}
-
-
-def compare_with_uniform_limit(plans: Sequence[tuple[str, Any]], budget_w: float, *,
-                               method: str = "exact") -> dict[str, Any]:
-    """For the same jobs (`(name, Plan)` each) and cluster budget: Kareus' allocation (each job at
-    its allotted frontier point) and a uniform per-GPU power limit of budget ÷ GPUs (each job at
-    its own objective's point, throttled by the simulated GPU's power controller), both run on the
-    twin. The limit is clamped to what each board accepts; below a board's minimum it is an error."""
-    from kareus.sim import Simulator, get_gpu
-    from kareus.sim.replica import power_limited, replica_iteration
-
-    if not budget_w > 0:
-        raise KareusError(f"--budget-w must be > 0, got {budget_w}")
-    if not plans:
-        raise KareusError("no jobs to compare")
-    jobs = [PowerJob.from_plan(name, plan) for name, plan in plans]
-    allocation = allocate(jobs, PowerBudget(cluster_w=budget_w), method=method)
-    gpus = sum(_gpus(plan) for _, plan in plans)
-    limit_w = budget_w / gpus
-
-    def run(name: str, plan: Any, row: int, gpu) -> JobRun:
-        replica = replica_iteration(Simulator(gpu), plan.job.workload(), _row_stages(plan, row))
-        per_stage = plan.job.tensor * plan.job.context * plan.job.data
-        return JobRun(name, row, _gpus(plan), replica.time_s, replica.energy_j(per_stage),
-                      min(r.time_s for r in plan.frontier.rows))
-
-    kareus = []
-    for name, plan in plans:
-        allotted = allocation.get(name)
-        if allotted.held:
-            raise KareusError(f"the budget cannot run job {name} at all ({allocation.message})")
-        kareus.append(run(name, plan, allotted.row, get_gpu(plan.job.gpu)))
-
-    def uniform(limit: float) -> PolicyRun:
-        runs = []
-        for name, plan in plans:
-            gpu = get_gpu(plan.job.gpu)
-            if limit < gpu.power_limit_min_w:
-                raise KareusError(f"{budget_w:.0f} W over {gpus} GPUs is {limit:.0f} W per GPU, below {gpu.name}'s "
-                                  f"minimum power limit of {gpu.power_limit_min_w:.0f} W")
-            runs.append(run(name, plan, plan.selected_row, power_limited(gpu, min(limit, gpu.power_limit_w))))
-        return PolicyRun(tuple(runs))
-
-    ours, theirs = PolicyRun(tuple(kareus)).to_dict(), uniform(limit_w).to_dict()
-    matched_w, matched = _limit_matching(uniform, ours["power_w"], limit_w, max(get_gpu(p.job.gpu).power_limit_w
-                                                                                 for _, p in plans))
-    return {"budget_w": budget_w, "gpus": gpus, "uniform_limit_w_per_gpu": limit_w,
-            "allocation": {"method": allocation.method, "feasible": allocation.feasible,
-                           "predicted_power_w": allocation.total_power_w, "gap": allocation.gap,
-                           "message": allocation.message},
-            "kareus": ours, "uniform_power_limit": theirs,
-            "throughput_ratio": ours["normalised_throughput"] / theirs["normalised_throughput"],
-            "iterations_ratio": ours["iterations_per_s"] / theirs["iterations_per_s"],
-            # A uniform limit leaves power unused where GPUs draw less than it (bubbles, memory-bound
-            # phases); raised until the cluster draws what Kareus' allocation draws:
-            "uniform_at_equal_power": {"limit_w_per_gpu": matched_w, **matched.to_dict()},
-            "throughput_ratio_at_equal_power": ours["normalised_throughput"]
-            / matched.to_dict()["normalised_throughput"]}
-
-
-def _limit_matching(uniform, power_w: float, low_w: float, high_w: float) -> tuple[float, PolicyRun]:
-    """The per-GPU limit (≥ `low_w`) at which the uniform runs draw `power_w` in all (bisection;
-    the board's limit if even that draws less)."""
-    best = (low_w, uniform(low_w))
-    if best[1].to_dict()["power_w"] >= power_w or low_w >= high_w:
-        return best
-    top = uniform(high_w)
-    if top.to_dict()["power_w"] <= power_w:
-        return high_w, top
-    for _ in range(20):
-        mid = 0.5 * (low_w + high_w)
-        trial = uniform(mid)
-        if trial.to_dict()["power_w"] <= power_w:
-            low_w, best = mid, (mid, trial)
-        else:
-            high_w = mid
-    return best
-
-
-def _gpus(plan: Any) -> int:
-    job = plan.job
-    return job.tensor * job.context * job.pipeline * job.data
-
-
-def _row_stages(plan: Any, row: int) -> list[tuple]:
-    return [stage.instructions for stage in plan.frontier.stages_for(row)]

@@ -1,0 +1,244 @@
+"""The twin's comparison of the allocation with uniform per-GPU power limits, and power-limited points.
+
+What clusters do today is a uniform board power limit (`nvidia-smi -pl`): every GPU limited to the
+same share of its board's maximum limit (one wattage when all GPUs are one product), each job at
+its own plan's point, throttled phase by phase by the simulated GPU's power controller
+(`kareus.sim.replica.power_limited`). Its fair form is **closed-loop**: the share raised until the
+cluster draws the budget (a uniform limit of budget ÷ GPUs strands the power that GPUs in bubbles
+and memory-bound phases do not draw).
+
+`power_limited_points` gives a job points the allocator can choose beyond its frontier: a frontier
+row (the plan's selected one, the fastest, the least-power one) under a ladder of per-GPU limits
+down to the board's minimum. With them the allocation is feasible wherever a uniform limit is,
+and `compare_with_uniform_limit` passes the closed-loop uniform limit's own points to the
+allocator as an incumbent, so at equal budget the allocation is never below it. Both sides run
+the same plans on the same simulated GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kareus.errors import KareusError
+from kareus.policy import PowerBudget
+from kareus.power_budget.allocator import Allocation, PowerJob, PowerPoint, allocate
+
+LADDER_STEPS = 16  # power limits per board between its minimum and maximum, for the points beyond a frontier
+_BISECTION_STEPS = 18  # on the limit share: 2^-18 of the board's range, well under a watt
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """One job's iteration as the twin simulates it (all of its GPUs)."""
+
+    name: str
+    row: int
+    gpus: int
+    time_s: float
+    energy_j: float
+    fastest_time_s: float  # its fastest frontier point, unthrottled: normalised throughput = this / time_s
+    power_limit_w: float | None = None  # the per-GPU board limit it ran under (None: none set)
+
+    @property
+    def power_w(self) -> float:
+        return self.energy_j / self.time_s
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """Every job's run under one way of keeping the cluster within its power."""
+
+    jobs: tuple[JobRun, ...]
+
+    @property
+    def power_w(self) -> float:
+        return sum(j.power_w for j in self.jobs)
+
+    @property
+    def normalised_throughput(self) -> float:
+        return sum(j.fastest_time_s / j.time_s for j in self.jobs)
+
+    def to_dict(self) -> dict[str, Any]:
+        normalised = [j.fastest_time_s / j.time_s for j in self.jobs]
+        gpus = sum(j.gpus for j in self.jobs)
+        return {"iterations_per_s": sum(1.0 / j.time_s for j in self.jobs),
+                "normalised_throughput": sum(normalised),
+                "mean_normalised_throughput": sum(normalised) / len(normalised),
+                # each job's normalised throughput weighted by its GPUs: the share of the GPUs' work done
+                "gpu_weighted_normalised_throughput": sum(j.gpus * n for j, n in zip(self.jobs, normalised,
+                                                                                      strict=True)) / gpus,
+                "power_w": self.power_w,
+                "jobs": [{"name": j.name, "frontier_row": j.row, "gpus": j.gpus, "time_s": j.time_s,
+                          "energy_j": j.energy_j, "power_w": j.power_w, "normalised_throughput": n,
+                          "power_limit_w": j.power_limit_w}
+                         for j, n in zip(self.jobs, normalised, strict=True)]}
+
+
+class Twin:
+    """The jobs (`(name, Plan)` each) on their simulated GPUs; each replica, row and limit simulated once
+    (replicas of the same job layout share their runs: every energy term scales with the replicas)."""
+
+    def __init__(self, plans: Sequence[tuple[str, Any]]) -> None:
+        from kareus.sim import get_gpu
+
+        self.plans = list(plans)
+        self.gpus = [get_gpu(plan.job.gpu) for _, plan in self.plans]
+        self._layouts = [repr(replace(plan.job, data=1, name="")) for _, plan in self.plans]
+        self._runs: dict[tuple[str, int, float | None], Any] = {}
+
+    def run(self, k: int, row: int, limit_w: float | None = None) -> JobRun:
+        """Job k at frontier row `row`, its GPUs limited to `limit_w` each (None or the board's maximum:
+        no limit)."""
+        from kareus.sim import Simulator
+        from kareus.sim.replica import power_limited, replica_iteration
+
+        name, plan = self.plans[k]
+        gpu = self.gpus[k]
+        limit_w = None if limit_w is None or limit_w >= gpu.power_limit_w else float(limit_w)
+        key = (self._layouts[k], row, limit_w)
+        if key not in self._runs:
+            board = gpu if limit_w is None else power_limited(gpu, limit_w)
+            stages = [stage.instructions for stage in plan.frontier.stages_for(row)]
+            self._runs[key] = replica_iteration(Simulator(board), plan.job.workload(), stages)
+        replica = self._runs[key]
+        per_stage = plan.job.tensor * plan.job.context * plan.job.data
+        return JobRun(name, row, job_gpus(plan), replica.time_s, replica.energy_j(per_stage),
+                      min(r.time_s for r in plan.frontier.rows), limit_w)
+
+    def limit_w(self, k: int, share: float) -> float:
+        """Job k's per-GPU limit at `share` of its board's maximum, within what the board accepts."""
+        gpu = self.gpus[k]
+        return min(max(share * gpu.power_limit_w, gpu.power_limit_min_w), gpu.power_limit_w)
+
+    def uniform(self, share: float) -> PolicyRun:
+        """Every job at its plan's selected row, every GPU limited to `share` of its board's maximum."""
+        return PolicyRun(tuple(self.run(k, plan.selected_row, self.limit_w(k, share))
+                               for k, (_, plan) in enumerate(self.plans)))
+
+    @property
+    def lowest_share(self) -> float:
+        """The share at which every board is at its minimum limit."""
+        return max(gpu.power_limit_min_w / gpu.power_limit_w for gpu in self.gpus)
+
+
+def job_gpus(plan: Any) -> int:
+    job = plan.job
+    return job.tensor * job.context * job.pipeline * job.data
+
+
+def power_limited_points(twin: Twin, k: int, *, steps: int = LADDER_STEPS,
+                         extra_limits_w: Sequence[float] = ()) -> tuple[PowerPoint, ...]:
+    """Job k's points beyond its frontier: its selected, fastest and least-power rows, each under
+    `steps` per-GPU limits from the board's minimum up (and `extra_limits_w`), where the limit slows
+    the row (a limit the row never reaches adds nothing)."""
+    plan = twin.plans[k][1]
+    gpu = twin.gpus[k]
+    rows = plan.frontier.rows
+    bases = {plan.selected_row, min(range(len(rows)), key=lambda r: rows[r].time_s),
+             min(range(len(rows)), key=lambda r: rows[r].energy_j / rows[r].time_s)}
+    span_w = gpu.power_limit_w - gpu.power_limit_min_w
+    limits = sorted({gpu.power_limit_min_w + span_w * i / steps for i in range(steps)}
+                    | {w for w in extra_limits_w if gpu.power_limit_min_w <= w < gpu.power_limit_w})
+    points = []
+    for row in sorted(bases):
+        free = twin.run(k, row)
+        for limit_w in limits:
+            run = twin.run(k, row, limit_w)
+            if run.time_s > free.time_s * (1 + 1e-9):
+                points.append(PowerPoint(row, run.time_s, run.energy_j, power_limit_w=limit_w))
+    return tuple(points)
+
+
+def closed_loop_share(uniform: Callable[[float], PolicyRun], power_w: float, low: float) -> float | None:
+    """The largest share in [low, 1] at which `uniform(share)` draws at most `power_w` (bisection);
+    None when even `low` draws more."""
+    if uniform(1.0).power_w <= power_w:
+        return 1.0
+    if uniform(low).power_w > power_w:
+        return None
+    high = 1.0
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (low + high)
+        if uniform(mid).power_w <= power_w:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def compare_with_uniform_limit(plans: Sequence[tuple[str, Any]], budget_w: float, *,
+                               method: str = "exact", twin: Twin | None = None) -> dict[str, Any]:
+    """For the same jobs (`(name, Plan)` each) and cluster budget, on the twin: Kareus' allocation
+    (each job at its allotted point, frontier or power-limited), a uniform limit of budget ÷ GPUs
+    (open-loop, today's `uniform_power_limit`), the closed-loop uniform limit that draws the budget,
+    and a uniform limit that draws what Kareus' allocation draws. `twin`: one over the same `plans`
+    (its runs are reused, e.g. over several budgets)."""
+    if not budget_w > 0:
+        raise KareusError(f"--budget-w must be > 0, got {budget_w}")
+    if not plans:
+        raise KareusError("no jobs to compare")
+    twin = twin or Twin(plans)
+    gpus = sum(job_gpus(plan) for _, plan in plans)
+    open_share = budget_w / sum(job_gpus(plan) * gpu.power_limit_w for (_, plan), gpu in zip(plans, twin.gpus,
+                                                                                               strict=True))
+    closed = closed_loop_share(twin.uniform, budget_w, twin.lowest_share)
+    if closed is None and open_share < twin.lowest_share:
+        gpu = max(twin.gpus, key=lambda g: g.power_limit_min_w / g.power_limit_w)
+        raise KareusError(f"{budget_w:.0f} W over {gpus} GPUs is {budget_w / gpus:.0f} W per GPU, below {gpu.name}'s "
+                          f"minimum power limit of {gpu.power_limit_min_w:.0f} W, and at that limit the jobs draw "
+                          f"{twin.uniform(twin.lowest_share).power_w:.0f} W")
+    allocation = _allocation(twin, budget_w, closed, method)
+    if allocation.held:
+        raise KareusError(f"the budget cannot run job {allocation.held[0]} at all ({allocation.message})")
+    ours = PolicyRun(tuple(twin.run(k, a.row, a.power_limit_w) for k, a in enumerate(allocation.allotments)))
+    matched = closed_loop_share(twin.uniform, ours.power_w, twin.lowest_share) or twin.lowest_share
+    theirs, matched_run = twin.uniform(open_share), twin.uniform(matched)
+    result = {"budget_w": budget_w, "gpus": gpus, "uniform_limit_w_per_gpu": budget_w / gpus,
+              "allocation": {"method": allocation.method, "feasible": allocation.feasible,
+                             "predicted_power_w": allocation.total_power_w, "value": allocation.value,
+                             "upper_bound": allocation.upper_bound, "gap": allocation.gap,
+                             "resolution_w": allocation.resolution_w, "message": allocation.message},
+              "kareus": ours.to_dict(), "uniform_power_limit": theirs.to_dict(),
+              "throughput_ratio": ours.normalised_throughput / theirs.normalised_throughput,
+              "iterations_ratio": ours.to_dict()["iterations_per_s"] / theirs.to_dict()["iterations_per_s"],
+              # A uniform limit leaves power unused where GPUs draw less than it (bubbles, memory-bound
+              # phases); raised (or lowered) until the cluster draws what Kareus' allocation draws:
+              "uniform_at_equal_power": {**_limits(twin, matched), **matched_run.to_dict()},
+              "throughput_ratio_at_equal_power": ours.normalised_throughput / matched_run.normalised_throughput,
+              "uniform_closed_loop": {"feasible": closed is not None}}
+    if closed is not None:
+        closed_run = twin.uniform(closed)
+        result["uniform_closed_loop"] |= {**_limits(twin, closed), **closed_run.to_dict()}
+        result["throughput_ratio_at_equal_budget"] = ours.normalised_throughput / closed_run.normalised_throughput
+    return result
+
+
+def _allocation(twin: Twin, budget_w: float, closed: float | None, method: str) -> Allocation:
+    """The allocation over every job's frontier and power-limited points, the closed-loop uniform
+    limit's points (when it meets the budget) an incumbent."""
+    jobs, incumbent = [], {}
+    for k, (name, plan) in enumerate(twin.plans):
+        extra = () if closed is None else (twin.limit_w(k, closed),)
+        job = PowerJob.from_plan(name, plan)
+        jobs.append(replace(job, points=job.points + power_limited_points(twin, k, extra_limits_w=extra)))
+        if closed is not None:
+            run = twin.run(k, plan.selected_row, twin.limit_w(k, closed))
+            incumbent[name] = _point_of(jobs[-1], run)
+    return allocate(jobs, PowerBudget(cluster_w=budget_w), method=method, incumbents=[incumbent] if incumbent else ())
+
+
+def _point_of(job: PowerJob, run: JobRun) -> PowerPoint:
+    """The job's point that `run` is (a frontier row when no limit binds)."""
+    same = [p for p in job.points if p.row == run.row and p.power_limit_w == run.power_limit_w]
+    if run.power_limit_w is not None and not same:  # the limit did not slow the row: its frontier point
+        same = [p for p in job.points if p.row == run.row and p.power_limit_w is None]
+    return same[0]
+
+
+def _limits(twin: Twin, share: float) -> dict[str, Any]:
+    limits = {twin.gpus[k].name: twin.limit_w(k, share) for k in range(len(twin.plans))}
+    weights = [job_gpus(plan) for _, plan in twin.plans]
+    mean_w = sum(w * twin.limit_w(k, share) for k, w in enumerate(weights)) / sum(weights)
+    return {"limit_share": share, "limit_w_per_gpu": mean_w, "limits_w": limits}
