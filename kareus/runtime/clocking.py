@@ -15,15 +15,29 @@ comes first. In the first step (nothing measured yet) it sends at the end marker
 also says when it becomes stale (`stale_after_s`: expected end of its own instruction), so a
 daemon that fell behind skips it rather than delay the clock that is due.
 
+**Waiting without the GIL.** The training thread launches kernels in a Python loop and holds the
+GIL almost all the time; a thread that wants it back waits up to the interpreter's switch interval
+(5 ms by default: the whole default lead). So the helper never polls: it blocks on markers
+(blocking-sync CUDA events sleep in the driver, GIL released, no core spun) and, for a lead point,
+in one timed wait that a **watcher** thread cuts short when the end marker is reached. Each send
+then costs one or two GIL hand-overs, and while the helper thread lives the dispatcher lowers the
+switch interval to `SWITCH_INTERVAL_S` (restored on `close`; a thread that does not want the GIL
+costs the training thread nothing) and wakes early for a lead point: by the switch interval, or
+by how late its wake-ups have been landing (a running mean; a loaded host adds its scheduling
+delay to the GIL's), at most by the lead itself. So a lead request is not one switch interval late. Both threads call `ProgressSource.enter_thread` first: on CUDA that
+selects the training thread's device, or their first event query would open a context on GPU 0.
+
 Progress sources:
 - `HostProgress` (CPU, gloo): the device is the host, every marker is reached when recorded, so
   requests go out inline on the calling thread (no helper thread, no lead).
-- `CudaProgress`: timing `torch.cuda.Event`s recorded on the current (compute) stream.
+- `CudaProgress`: timing, blocking-sync `torch.cuda.Event`s recorded on the current (compute) stream
+  of the device that was current when it was made.
 - Tests use a fake source whose markers they complete by hand, the CPU far ahead.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -33,7 +47,8 @@ from dataclasses import dataclass
 
 from kareus.daemon_client import ClockClient
 
-POLL_S = 0.0002  # how often the helper looks at the end marker while it waits for the lead point
+SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while a helper thread runs (CPython's default: 5 ms)
+WAKE_MEAN_WEIGHT = 0.2  # weight of the newest wake-up delay in the running mean
 
 
 class Marker(ABC):
@@ -60,6 +75,10 @@ class ProgressSource(ABC):
     @abstractmethod
     def mark(self) -> Marker:
         """Record a marker at the current end of the device's stream."""
+
+    def enter_thread(self) -> None:
+        """Called first on every dispatcher thread (bind the thread to the device)."""
+        return None
 
 
 class _Reached(Marker):
@@ -98,14 +117,27 @@ class _CudaMarker(Marker):
 
 
 class CudaProgress(ProgressSource):
-    """Timing CUDA events on the current stream of the calling (training) thread."""
+    """Timing CUDA events on the current stream of the calling (training) thread, on the device
+    current when the source is made (the rank's GPU: `init_distributed` set it)."""
 
-    def mark(self) -> Marker:
+    def __init__(self, device_index: int | None = None) -> None:
         import torch  # CUDA only; the module stays importable without it
 
-        event = torch.cuda.Event(enable_timing=True)
+        self.device_index = torch.cuda.current_device() if device_index is None else device_index
+
+    def mark(self) -> Marker:
+        import torch
+
+        # blocking: `wait()` sleeps in the driver instead of spinning a core the launch loop needs
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record(torch.cuda.current_stream())
         return _CudaMarker(event)
+
+    def enter_thread(self) -> None:
+        import torch
+
+        # A new thread's current device is 0: an event query there would open a context on GPU 0.
+        torch.cuda.set_device(self.device_index)
 
 
 def send_delay_s(expected_s: float | None, lead_s: float) -> float | None:
@@ -129,11 +161,52 @@ class _Request:
 Sent = Callable[[str, int, float], None]  # (instruction label, clock_mhz, time.monotonic())
 
 
+class _Watcher:
+    """A thread that waits for end markers in stream order and signals each one reached, so the
+    helper can sleep until a lead point *or* an end marker without polling."""
+
+    def __init__(self, progress: ProgressSource) -> None:
+        self._progress = progress
+        self._queue: deque[tuple[Marker, threading.Event]] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kareus-clock-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, marker: Marker) -> threading.Event:
+        """An event set once `marker` is reached."""
+        reached = threading.Event()
+        with self._cond:
+            self._queue.append((marker, reached))
+            self._cond.notify_all()
+        return reached
+
+    def close(self, timeout_s: float) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        self._progress.enter_thread()
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                marker, reached = self._queue.popleft()
+            marker.wait()
+            reached.set()
+
+
 class ClockDispatcher:
-    """Sends clock requests to `clock` when the device reaches them, in submission order."""
+    """Sends clock requests to `clock` when the device reaches them, in submission order.
+
+    `switch_interval_s`: the GIL switch interval while the helper thread runs (None: leave the
+    interpreter's as it is)."""
 
     def __init__(self, clock: ClockClient, progress: ProgressSource, *, lead_s: float = 0.0,
-                 on_sent: Sent | None = None) -> None:
+                 on_sent: Sent | None = None, switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
         self.clock, self.progress, self.lead_s = clock, progress, lead_s
         self._on_sent = on_sent
         self._queue: deque[_Request] = deque()
@@ -142,6 +215,10 @@ class ClockDispatcher:
         self._blocked_on: Marker | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._watcher: _Watcher | None = None
+        self._switch_interval_s = switch_interval_s
+        self._saved_switch_s: float | None = None  # the interpreter's, while ours is in force
+        self._wake_delay_s = 0.0  # running mean of how late timed wake-ups land
 
     def submit(self, label: str, clock_mhz: int, *, anchor: Marker, end: Marker | None = None,
                expected_s: float | None = None, stale_in_s: float | None = None) -> None:
@@ -154,8 +231,7 @@ class ClockDispatcher:
         with self._cond:
             self._queue.append(request)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kareus-clock-dispatch", daemon=True)
-                self._thread.start()
+                self._start()
             self._cond.notify_all()
 
     def settle(self, timeout_s: float = 10.0) -> bool:
@@ -177,9 +253,26 @@ class ClockDispatcher:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self._watcher is not None:
+            self._watcher.close(timeout_s)
+        self._restore_switch_interval()
+
+    def _start(self) -> None:
+        if self._switch_interval_s is not None and self._switch_interval_s < sys.getswitchinterval():
+            self._saved_switch_s = sys.getswitchinterval()
+            sys.setswitchinterval(self._switch_interval_s)
+        self._thread = threading.Thread(target=self._run, name="kareus-clock-dispatch", daemon=True)
+        self._thread.start()
+
+    def _restore_switch_interval(self) -> None:
+        # Only if nobody changed it meanwhile (another dispatcher still running keeps its own).
+        if self._saved_switch_s is not None and sys.getswitchinterval() == self._switch_interval_s:
+            sys.setswitchinterval(self._saved_switch_s)
+        self._saved_switch_s = None
 
     # -- the helper thread --------------------------------------------------------------------
     def _run(self) -> None:
+        self.progress.enter_thread()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closed)
@@ -206,13 +299,24 @@ class ClockDispatcher:
         self._blocked(None)
 
     def _await_lead(self, end: Marker, deadline_s: float) -> None:
-        """Until the GPU reaches `end` or the lead point passes, whichever first."""
+        """Until the GPU reaches `end` or the lead point passes, whichever first; woken one switch
+        interval early, since taking the GIL back may cost that much."""
         if end.reached():
             return
+        if self._watcher is None:
+            self._watcher = _Watcher(self.progress)
+        reached = self._watcher.watch(end)
         self._blocked(end)
-        while not end.reached() and time.monotonic() < deadline_s:
-            time.sleep(min(POLL_S, max(0.0, deadline_s - time.monotonic())))
+        wake_s = deadline_s - self.wake_early_s()
+        if not reached.wait(max(0.0, wake_s - time.monotonic())):
+            delay_s = max(0.0, time.monotonic() - wake_s)
+            self._wake_delay_s += WAKE_MEAN_WEIGHT * (delay_s - self._wake_delay_s)
         self._blocked(None)
+
+    def wake_early_s(self) -> float:
+        """How long before a lead point the helper wakes: the GIL switch interval, or the mean
+        delay of its wake-ups if that is longer, never more than the lead."""
+        return min(self.lead_s, max(sys.getswitchinterval(), self._wake_delay_s))
 
     def _blocked(self, marker: Marker | None) -> None:
         """What the helper waits for (`settle` reads it); None while it works."""
