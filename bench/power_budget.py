@@ -17,8 +17,9 @@ the allocator assigns: a frontier row, or a row under a per-GPU power limit) aga
 capping (every GPU limited to the same share of its board's maximum, each job at its plan's point)
 — closed-loop (the share raised until the cluster draws the budget: **ratio at equal budget**) and
 at the share that draws what Kareus draws (**ratio at equal drawn power**). Throughput is the sum of
-the jobs' normalised throughputs (each job's fastest point = 1, what the allocator maximises); the
-GPU-weighted ratio (each job weighted by its GPUs) is printed beside it. `gap` is the allocation's
+the jobs' normalised throughputs (each job's fastest point = 1), what the allocator maximises; with
+`--weight gpus` it maximises each job's normalised throughput × its GPUs instead, and the ratios
+are of that sum. The GPU-weighted ratio is printed beside the ratio either way. `gap` is the allocation's
 certified gap (upper bound − value) over its value.
 
 Last, the allocation time for 1,000 jobs on 10,000 GPUs: 750 copies of the heterogeneous mix's
@@ -26,9 +27,10 @@ Last, the allocation time for 1,000 jobs on 10,000 GPUs: 750 copies of the heter
 60 % of their max-throughput power (best of three cold runs: the jobs built anew each time, as an
 operator pass builds them).
 
-    .venv/bin/python bench/power_budget.py [--quick] [--cache DIR] [--json OUT.json]
+    .venv/bin/python bench/power_budget.py [--quick] [--weight jobs|gpus] [--cache DIR] [--json OUT.json]
 
-`--quick`: three testbed configurations and three heterogeneous shapes, two budgets, for a smoke run.
+`--quick`: three testbed configurations and three heterogeneous shapes (of 8 and 16 GPUs), two budgets, for a
+smoke run.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def full_power_w(jobs: list[tuple[str, Plan]]) -> float:
     return sum(r.energy_j / r.time_s for _, p in jobs for r in [min(p.frontier.rows, key=lambda r: r.time_s)])
 
 
-def run_mix(label: str, jobs: list[tuple[str, Plan]], fractions: tuple[float, ...]) -> list[dict]:
+def run_mix(label: str, jobs: list[tuple[str, Plan]], fractions: tuple[float, ...], weight: str) -> list[dict]:
     twin = Twin(jobs)
     full_w = full_power_w(jobs)
     print(f"\n{label}: {len(jobs)} jobs on {sum(_gpus(p) for _, p in jobs)} GPUs "
@@ -117,7 +119,7 @@ def run_mix(label: str, jobs: list[tuple[str, Plan]], fractions: tuple[float, ..
     rows = []
     for fraction in fractions:
         started = time.perf_counter()
-        r = compare_with_uniform_limit(jobs, fraction * full_w, twin=twin)
+        r = compare_with_uniform_limit(jobs, fraction * full_w, twin=twin, weight=weight)
         elapsed_s = time.perf_counter() - started
         k, c, m = r["kareus"], r["uniform_closed_loop"], r["uniform_at_equal_power"]
         limited = sum(1 for j in k["jobs"] if j["power_limit_w"] is not None)
@@ -171,21 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer configurations and budgets")
     parser.add_argument("--cache", default="out/bench-power-budget", help="plan cache directory")
+    parser.add_argument("--weight", choices=("jobs", "gpus"), default="jobs",
+                        help="what the allocator maximises: the jobs' normalised throughputs, or each × its GPUs")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    testbed, shapes = (TESTBED[:3], SHAPES[:3]) if args.quick else (TESTBED, SHAPES)
+    testbed, shapes = (TESTBED[:3], SHAPES[1:4]) if args.quick else (TESTBED, SHAPES)
     fractions = FRACTIONS[1::2] if args.quick else FRACTIONS
     started = time.perf_counter()
     same = [(c.name, planned(c, PRODUCTS[0], cache)) for c in testbed]
     mixed = [(f"{c.name} {product.split('-')[0]}", planned(c, product, cache)) for c in shapes for product in PRODUCTS]
     print(f"planned {len(same) + len(mixed)} configurations in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    results = {"mixes": run_mix("homogeneous", homogeneous(same), fractions)
-               + run_mix("heterogeneous", heterogeneous(mixed, deadlines=False), fractions)
-               + run_mix("heterogeneous + deadlines", heterogeneous(mixed, deadlines=True), fractions)}
+    w = args.weight
+    results = {"weight": w, "mixes": run_mix("homogeneous", homogeneous(same), fractions, w)
+               + run_mix("heterogeneous", heterogeneous(mixed, deadlines=False), fractions, w)
+               + run_mix("heterogeneous + deadlines", heterogeneous(mixed, deadlines=True), fractions, w)}
     results["large"] = large_instance(heterogeneous(mixed, deadlines=False))
-    print("\nKareus allocation / uniform capping, summed normalised throughput (min..max over the budgets):")
+    print(f"\nKareus allocation / uniform capping, summed normalised throughput ({'each job 1' if w == 'jobs' else 'each job × its GPUs'}; "
+          "min..max over the budgets):")
     for label in ("homogeneous", "heterogeneous", "heterogeneous + deadlines"):
         rows = [r for r in results["mixes"] if r["mix"] == label]
         budget = [r["ratios"]["equal_budget"] for r in rows if r["ratios"]["equal_budget"] is not None]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kareus.cli import main
+from kareus.errors import KareusError
 from kareus.job import PlanJob
 from kareus.plan import (
     FrontierRow,
@@ -220,3 +221,25 @@ def test_cli_json_contract(capsys, tmp_path, a100_plans):
         assert key in result
     assert result["allocation"]["feasible"] is True and result["kareus"]["power_w"] <= result["budget_w"] * (1 + 1e-9)
     assert result["uniform_at_equal_power"]["limits_w"] and result["uniform_closed_loop"]["limit_share"] <= 1.0
+
+
+def test_cli_table_names_the_closed_loop_baseline(capsys, tmp_path, a100_plans):
+    path = tmp_path / "fast.json"
+    a100_plans[0][1].save(path)
+    full_w = Twin(a100_plans[:1]).uniform(1.0).power_w
+    assert main(["sim", "power-budget", str(path), "--budget-w", f"{0.6 * full_w:.1f}"]) == 0
+    out = capsys.readouterr().out
+    assert "allocation feasible" in out and "uniform closed loop" in out and "at equal drawn power" in out
+
+
+def test_gpu_weighted_allocation_is_never_below_capping_on_that_sum(mixed_plans):
+    twin = Twin(mixed_plans)
+    budget_w = 0.55 * twin.uniform(1.0).power_w
+    result = compare_with_uniform_limit(mixed_plans, budget_w, twin=twin, weight="gpus")
+    ours, closed = result["kareus"], result["uniform_closed_loop"]
+    assert result["weight"] == "gpus" and result["allocation"]["feasible"]
+    assert result["throughput_ratio_at_equal_budget"] == pytest.approx(
+        ours["gpu_weighted_normalised_throughput"] / closed["gpu_weighted_normalised_throughput"])
+    assert result["throughput_ratio_at_equal_budget"] >= 1 - 1e-9 and ours["power_w"] <= budget_w * (1 + 1e-9)
+    with pytest.raises(KareusError, match="--weight must be one of jobs, gpus"):
+        compare_with_uniform_limit(mixed_plans, budget_w, twin=twin, weight="watts")

@@ -1,6 +1,6 @@
 """`kareus sim power-budget` — Kareus' power allocation against uniform per-GPU power limits.
 
-    kareus sim power-budget JOB.yaml|PLAN.json … --budget-w W [--method exact|greedy] --json
+    kareus sim power-budget JOB.yaml|PLAN.json … --budget-w W [--method exact|greedy] [--weight jobs|gpus] --json
 
 For the same jobs and cluster budget (watts), the twin runs (a) Kareus' allocation — each job at
 the point `kareus.power_budget.allocate` assigns: a frontier row, or a row under a per-GPU power
@@ -29,6 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("files", nargs="+", metavar="JOB.yaml|PLAN.json", help="jobs (manifests or plans)")
     parser.add_argument("--budget-w", type=float, required=True, help="cluster power budget in watts")
     parser.add_argument("--method", choices=("exact", "greedy"), default="exact", help="allocator (default exact)")
+    parser.add_argument("--weight", choices=("jobs", "gpus"), default="jobs",
+                        help="maximise the jobs' summed normalised throughput, or each weighted by its GPUs")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.budget_w > 0:
         raise KareusError(f"--budget-w: must be > 0, got {args.budget_w}")
-    result = compare_with_uniform_limit(load_plans(args.files), args.budget_w, method=args.method)
+    result = compare_with_uniform_limit(load_plans(args.files), args.budget_w, method=args.method, weight=args.weight)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

@@ -25,6 +25,7 @@ from kareus.errors import KareusError
 from kareus.policy import PowerBudget
 from kareus.power_budget.allocator import Allocation, PowerJob, PowerPoint, allocate
 
+WEIGHTS = ("jobs", "gpus")  # what a job's normalised throughput counts: 1, or its GPUs
 LADDER_STEPS = 16  # power limits per board between its minimum and maximum, for the points beyond a frontier
 _BISECTION_STEPS = 18  # on the limit share: 2^-18 of the board's range, well under a watt
 
@@ -169,12 +170,17 @@ def closed_loop_share(uniform: Callable[[float], PolicyRun], power_w: float, low
 
 
 def compare_with_uniform_limit(plans: Sequence[tuple[str, Any]], budget_w: float, *,
-                               method: str = "exact", twin: Twin | None = None) -> dict[str, Any]:
+                               method: str = "exact", twin: Twin | None = None,
+                               weight: str = "jobs") -> dict[str, Any]:
     """For the same jobs (`(name, Plan)` each) and cluster budget, on the twin: Kareus' allocation
     (each job at its allotted point, frontier or power-limited), a uniform limit of budget ÷ GPUs
     (open-loop, today's `uniform_power_limit`), the closed-loop uniform limit that draws the budget,
     and a uniform limit that draws what Kareus' allocation draws. `twin`: one over the same `plans`
-    (its runs are reused, e.g. over several budgets)."""
+    (its runs are reused, e.g. over several budgets). `weight`: what the allocator maximises, the
+    jobs' summed normalised throughput (`jobs`) or each weighted by its GPUs (`gpus`); the ratios
+    are of the same sum."""
+    if weight not in WEIGHTS:
+        raise KareusError(f"--weight must be one of {', '.join(WEIGHTS)}, got {weight!r}")
     if not budget_w > 0:
         raise KareusError(f"--budget-w must be > 0, got {budget_w}")
     if not plans:
@@ -189,39 +195,44 @@ def compare_with_uniform_limit(plans: Sequence[tuple[str, Any]], budget_w: float
         raise KareusError(f"{budget_w:.0f} W over {gpus} GPUs is {budget_w / gpus:.0f} W per GPU, below {gpu.name}'s "
                           f"minimum power limit of {gpu.power_limit_min_w:.0f} W, and at that limit the jobs draw "
                           f"{twin.uniform(twin.lowest_share).power_w:.0f} W")
-    allocation = _allocation(twin, budget_w, closed, method)
+    allocation = _allocation(twin, budget_w, closed, method, weight)
     if allocation.held:
         raise KareusError(f"the budget cannot run job {allocation.held[0]} at all ({allocation.message})")
     ours = PolicyRun(tuple(twin.run(k, a.row, a.power_limit_w) for k, a in enumerate(allocation.allotments)))
     matched = closed_loop_share(twin.uniform, ours.power_w, twin.lowest_share) or twin.lowest_share
     theirs, matched_run = twin.uniform(open_share), twin.uniform(matched)
+    key = "normalised_throughput" if weight == "jobs" else "gpu_weighted_normalised_throughput"
+
+    def ratio(run: PolicyRun) -> float:
+        return ours.to_dict()[key] / run.to_dict()[key]
+
     result = {"budget_w": budget_w, "gpus": gpus, "uniform_limit_w_per_gpu": budget_w / gpus,
               "allocation": {"method": allocation.method, "feasible": allocation.feasible,
                              "predicted_power_w": allocation.total_power_w, "value": allocation.value,
                              "upper_bound": allocation.upper_bound, "gap": allocation.gap,
                              "resolution_w": allocation.resolution_w, "message": allocation.message},
               "kareus": ours.to_dict(), "uniform_power_limit": theirs.to_dict(),
-              "throughput_ratio": ours.normalised_throughput / theirs.normalised_throughput,
+              "weight": weight, "throughput_ratio": ratio(theirs),
               "iterations_ratio": ours.to_dict()["iterations_per_s"] / theirs.to_dict()["iterations_per_s"],
               # A uniform limit leaves power unused where GPUs draw less than it (bubbles, memory-bound
               # phases); raised (or lowered) until the cluster draws what Kareus' allocation draws:
               "uniform_at_equal_power": {**_limits(twin, matched), **matched_run.to_dict()},
-              "throughput_ratio_at_equal_power": ours.normalised_throughput / matched_run.normalised_throughput,
+              "throughput_ratio_at_equal_power": ratio(matched_run),
               "uniform_closed_loop": {"feasible": closed is not None}}
     if closed is not None:
         closed_run = twin.uniform(closed)
         result["uniform_closed_loop"] |= {**_limits(twin, closed), **closed_run.to_dict()}
-        result["throughput_ratio_at_equal_budget"] = ours.normalised_throughput / closed_run.normalised_throughput
+        result["throughput_ratio_at_equal_budget"] = ratio(closed_run)
     return result
 
 
-def _allocation(twin: Twin, budget_w: float, closed: float | None, method: str) -> Allocation:
+def _allocation(twin: Twin, budget_w: float, closed: float | None, method: str, weight: str) -> Allocation:
     """The allocation over every job's frontier and power-limited points, the closed-loop uniform
     limit's points (when it meets the budget) an incumbent."""
     jobs, incumbent = [], {}
     for k, (name, plan) in enumerate(twin.plans):
         extra = () if closed is None else (twin.limit_w(k, closed),)
-        job = PowerJob.from_plan(name, plan)
+        job = PowerJob.from_plan(name, plan, weight=1.0 if weight == "jobs" else float(job_gpus(plan)))
         jobs.append(replace(job, points=job.points + power_limited_points(twin, k, extra_limits_w=extra)))
         if closed is not None:
             run = twin.run(k, plan.selected_row, twin.limit_w(k, closed))
