@@ -4,6 +4,7 @@ every exit path. The work itself runs for real with torch on the CPU; no GPU is 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -139,17 +140,63 @@ def test_a_lock_failing_half_way_still_resets_every_gpu(gpus):
     assert [d.reset_count for d in fake_pynvml.devices()] == [1, 1]
 
 
-def test_close_resets_and_bad_setups_are_clear_errors(gpus):
+def test_close_resets_only_what_is_still_locked_and_bad_setups_are_clear_errors(gpus):
+    """Fails where close() resets every GPU: it locked none here."""
     backend = NvmlBackend(num_gpus=1, devices=gpus, torch_devices=["cpu"])
     with backend:
         pass
-    assert fake_pynvml.devices()[0].reset_count == 1
+    assert fake_pynvml.devices()[0].reset_count == 0
     with pytest.raises(KareusError, match="needs 4 GPUs"):
-        NvmlBackend(num_gpus=4, devices=gpus)
+        NvmlBackend(num_gpus=4, devices=gpus, torch_devices=["cpu"] * 4)
     fake_pynvml.devices()[0].mig_enabled = True
     with pytest.raises(KareusError, match="MIG"):
-        NvmlBackend(num_gpus=1, devices=gpus)
+        NvmlBackend(num_gpus=1, devices=gpus, torch_devices=["cpu"])
     fake_pynvml.reset(count=1)
     fake_pynvml.fail_init()
     with pytest.raises(KareusError, match="NVML is not available"):
         NvmlBackend(num_gpus=1, nvml_module=FAKE)
+
+
+def test_a_backend_measuring_under_the_daemons_lock_never_resets_a_clock(gpus, workload):
+    """Fails where close() resets clocks it did not lock (NO_PERMISSION in an unprivileged pod, or
+    the daemon's lock undone)."""
+    fake_pynvml.fail("nvmlDeviceResetGpuLockedClocks", fake_pynvml.NVML_ERROR_NO_PERMISSION, times=10)
+    with NvmlBackend(num_gpus=2, devices=gpus, measurement_s=0.001, cooldown_s=0.0, warmup_runs=0,
+                     torch_devices=["cpu", "cpu"], scale=1e-3, sleep=lambda s: None, lock_clocks=False) as backend:
+        backend.measure_partitions(workload.partition_types["fwd_mlp"], [Candidate(1200, 3, "norm_0")])
+    assert fake_pynvml.calls_of("nvmlDeviceSetGpuLockedClocks") == []
+    assert fake_pynvml.calls_of("nvmlDeviceResetGpuLockedClocks") == []
+
+
+def test_a_reset_that_failed_is_retried_by_close_and_then_nothing_is_held(gpus):
+    backend = NvmlBackend(num_gpus=2, devices=gpus, torch_devices=["cpu", "cpu"])
+    fake_pynvml.fail("nvmlDeviceResetGpuLockedClocks", fake_pynvml.NVML_ERROR_UNKNOWN, uuid=gpus[1].uuid)
+    with pytest.raises(KareusError, match="could not reset"), locked_clock(gpus, 1200, backend._holding):
+        pass
+    assert backend._holding == {gpus[0].uuid, gpus[1].uuid}  # reset_all cannot say which one failed
+    backend.close()
+    assert [d.locked_mhz for d in fake_pynvml.devices()] == [None, None]
+    assert backend._holding == set()
+    backend.close()  # nothing held: nothing reset again
+    assert [d.reset_count for d in fake_pynvml.devices()] == [2, 1]  # GPU 1's first reset failed
+
+
+def test_nvml_devices_are_paired_with_cuda_devices_by_uuid(monkeypatch):
+    """Fails on pairing by index: with CUDA_VISIBLE_DEVICES=2,3 cuda:0 is NVML's device 2, not 0."""
+    import torch
+
+    fake = fake_pynvml.reset(count=4)
+    visible = [fake[2].uuid.removeprefix("GPU-"), fake[3].uuid.removeprefix("GPU-")]  # torch's spelling
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid=visible[index]))
+    backend = NvmlBackend(num_gpus=2, nvml_module=FAKE)
+    assert [d.uuid for d in backend.devices] == [fake[2].uuid, fake[3].uuid]
+    assert backend.torch_devices == ["cuda:0", "cuda:1"]
+    with locked_clock(backend.devices, 1200, backend._holding):
+        pass
+    assert {uuid for _, uuid, _ in fake_pynvml.calls_of("nvmlDeviceSetGpuLockedClocks")} == {fake[2].uuid, fake[3].uuid}
+    with pytest.raises(KareusError, match="needs 3 GPUs per partition group; CUDA sees 2"):
+        NvmlBackend(num_gpus=3, nvml_module=FAKE)
+    visible[1] = "deadbeef-0000-0000-0000-000000000000"  # a GPU NVML does not know: never a guess
+    with pytest.raises(KareusError, match="not among the GPUs NVML sees"):
+        NvmlBackend(num_gpus=2, nvml_module=FAKE)

@@ -13,12 +13,15 @@ clock), then:
    stored per GPU (divided by the GPU count, as the profile document is per GPU).
 
 Clocks are reset on every exit path (`try/finally` around each lock, and `close()`), including
-when the workload raises or the process is interrupted.
+when the workload raises or the process is interrupted — but only clocks this backend locked: a
+backend that measures while the node daemon holds the clocks (`lock_clocks=False`) never resets
+one (that would fail with NO_PERMISSION in an unprivileged pod, or undo the daemon's lock).
 
-"The job's GPUs" are the GPUs this process can see: in a Kubernetes pod the device plugin exposes
-exactly the allocated GPUs; outside one, the first `num_gpus` NVML devices (use
-`CUDA_VISIBLE_DEVICES` / `NVIDIA_VISIBLE_DEVICES` with `CUDA_DEVICE_ORDER=PCI_BUS_ID` to choose).
-The work itself is the torch emulation in `kernels.py`, one copy per GPU.
+"The job's GPUs" are the first `num_gpus` CUDA devices this process sees (in a Kubernetes pod the
+device plugin exposes exactly the allocated GPUs; outside one, choose with `CUDA_VISIBLE_DEVICES`),
+each paired with its NVML device by UUID: NVML ignores `CUDA_VISIBLE_DEVICES` and numbers every GPU
+of the machine, so NVML device i is not `cuda:i`. The work itself is the torch emulation in
+`kernels.py`, one copy per GPU.
 """
 
 from __future__ import annotations
@@ -64,14 +67,21 @@ def nvml_available(module: str = "pynvml") -> bool:
 
 
 @contextlib.contextmanager
-def locked_clock(devices: Sequence[GPUDevice], clock_mhz: int) -> Iterator[None]:
-    """Lock every device at `clock_mhz`; reset every device on the way out, whatever happens."""
+def locked_clock(devices: Sequence[GPUDevice], clock_mhz: int, holding: set[str] | None = None) -> Iterator[None]:
+    """Lock every device at `clock_mhz`; on the way out, whatever happens, reset every device whose
+    lock was attempted (a failed call leaves its state unknown), never one after it. `holding`
+    (UUIDs) gains each device as its lock is attempted and loses it once reset."""
+    holding = set() if holding is None else holding
+    attempted: list[GPUDevice] = []
     try:
         for device in devices:
+            attempted.append(device)
+            holding.add(device.uuid)
             device.lock_sm_clock(clock_mhz, clock_mhz)
         yield
     finally:
-        reset_all(devices)
+        reset_all(attempted)
+        holding.difference_update(device.uuid for device in attempted)
 
 
 def reset_all(devices: Sequence[GPUDevice]) -> None:
@@ -112,6 +122,22 @@ def measure_window(devices: Sequence[GPUDevice], workloads: Sequence[Runnable], 
     return window_s / repetitions, energy_j / repetitions / len(devices)
 
 
+def cuda_uuids() -> list[str]:
+    """UUIDs of the CUDA devices this process sees, in CUDA's order."""
+    import torch
+
+    return [str(torch.cuda.get_device_properties(index).uuid) for index in range(torch.cuda.device_count())]
+
+
+def devices_of_cuda(devices: Sequence[GPUDevice], uuids: Sequence[str], num_gpus: int) -> list[GPUDevice]:
+    """The NVML devices of the first `num_gpus` CUDA devices (`uuids` in CUDA order), by UUID."""
+    from kareus.runtime.energy import gpu_for_cuda_uuid
+
+    if len(uuids) < num_gpus:
+        raise KareusError(f"the job needs {num_gpus} GPUs per partition group; CUDA sees {len(uuids)}")
+    return [gpu_for_cuda_uuid(uuid, devices) for uuid in uuids[:num_gpus]]
+
+
 def _select_devices(devices: Sequence[GPUDevice], num_gpus: int) -> list[GPUDevice]:
     if len(devices) < num_gpus:
         raise KareusError(f"the job needs {num_gpus} GPUs per partition group; NVML sees {len(devices)}")
@@ -123,7 +149,10 @@ def _select_devices(devices: Sequence[GPUDevice], num_gpus: int) -> list[GPUDevi
 
 
 class NvmlBackend(ProfilerBackend):
-    """Measures on the GPUs NVML sees, locking their clocks per candidate (see module docstring)."""
+    """Measures on the job's GPUs, locking their clocks per candidate (see module docstring).
+
+    Without `torch_devices` the work runs on `cuda:0…` and each is paired with its NVML device by
+    UUID; with them (tests, CPU stand-ins) on those, with the first `num_gpus` NVML devices."""
 
     name = "nvml"
 
@@ -136,16 +165,19 @@ class NvmlBackend(ProfilerBackend):
             from kareus.gpu import discover
 
             devices = discover("nvml", module=nvml_module)
+        if torch_devices is None:
+            devices = devices_of_cuda(devices, cuda_uuids(), num_gpus)
+            torch_devices = [f"cuda:{index}" for index in range(num_gpus)]
         self.devices = _select_devices(devices, num_gpus)
         self.gpu_name = self.devices[0].name
         self.p_static_w = self._static_power_w()
         self.settings = WindowSettings(measurement_s, cooldown_s, warmup_runs)
-        self.torch_devices = list(torch_devices) if torch_devices is not None else [
-            f"cuda:{index}" for index in range(len(self.devices))]
+        self.torch_devices = list(torch_devices)
         self.scale = scale
         self._now, self._sleep = now, sleep
         # False when the node daemon holds the clocks (`DaemonLocked`): reading energy needs no privilege.
         self.lock_clocks = lock_clocks
+        self._holding: set[str] = set()  # UUIDs whose clock this backend locked and has not reset
 
     def _static_power_w(self) -> float:
         """P_static of this GPU model: the calibrated preset, else the idle power read now."""
@@ -163,7 +195,7 @@ class NvmlBackend(ProfilerBackend):
         return tuple(sorted(common, reverse=True))
 
     def _measure(self, clock_mhz: int, make: Callable[[Any], Runnable]) -> tuple[float, float]:
-        with locked_clock(self.devices if self.lock_clocks else [], clock_mhz):
+        with locked_clock(self.devices if self.lock_clocks else [], clock_mhz, self._holding):
             self._sleep(self.settings.settle_s)
             workloads = [make(torch_device) for torch_device in self.torch_devices]
             return measure_window(self.devices, workloads, self.settings, now=self._now, sleep=self._sleep)
@@ -191,4 +223,8 @@ class NvmlBackend(ProfilerBackend):
         return self._measure(clock_mhz, lambda device: EmulatedWork(ops, device, self.scale))
 
     def close(self) -> None:
-        reset_all(self.devices)
+        """Reset what this backend still holds locked (normally nothing: each lock is reset as its
+        measurement ends); never a clock it did not lock."""
+        holding = [device for device in self.devices if device.uuid in self._holding]
+        self._holding.clear()
+        reset_all(holding)
