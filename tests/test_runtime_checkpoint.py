@@ -207,3 +207,23 @@ def test_sigterm_saves_a_checkpoint_before_exiting_and_the_rest_runs_from_it(tmp
     assert resumed.returncode == 0, stderr
     losses = [line["loss"] for line in _lines(tmp_path / "out2" / "train.jsonl")]
     assert _close(losses, tp2_reference[done:]), (losses, tp2_reference)
+
+
+def test_two_ranks_skip_a_damaged_checkpoint_and_print_why(tmp_path, tp2_reference):
+    first = _start(tmp_path, "out1", "--steps", "4", "--checkpoint-every", "2")
+    _, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0 and _steps_in(tmp_path / "ckpt") == [2, 4], stderr
+    newest = tmp_path / "ckpt" / "step-00000004"
+    assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # a part per rank
+    shard = newest / "__0_0.distcp"  # in rank 1's share of the digest checks
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    resumed = _start(tmp_path, "out2", "--json")
+    stdout, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr
+    assert (f"skipping checkpoint {newest}: rank 1: file __0_0.distcp does not match its SHA-256 in the manifest"
+            in stderr)
+    assert json.loads(stdout.splitlines()[-1])["first_step"] == 2
+    losses = [line["loss"] for line in _lines(tmp_path / "out2" / "train.jsonl")]
+    assert _close(losses, tp2_reference[2:]), (losses, tp2_reference)

@@ -258,21 +258,27 @@ class Checkpointer:
         differences = self.identity.differences({k: manifest.get(k) for k in self.identity.as_dict()})
         if differences:
             return "foreign", "; ".join(differences)
-        present = {p.name for p in path.iterdir() if p.name != MANIFEST}
-        if missing := sorted(set(files) - present):
-            return "damaged", f"file {missing[0]} is missing"
-        for name, entry in sorted(files.items()):
-            size = (path / name).stat().st_size
-            if size != entry.get("size_bytes"):
-                return "damaged", f"file {name} has {size} bytes, the manifest says {entry.get('size_bytes')}"
+        try:
+            present = {p.name for p in path.iterdir() if p.name != MANIFEST}
+            if missing := sorted(set(files) - present):
+                return "damaged", f"file {missing[0]} is missing"
+            for name, entry in sorted(files.items()):
+                size = (path / name).stat().st_size
+                if size != entry.get("size_bytes"):
+                    return "damaged", f"file {name} has {size} bytes, the manifest says {entry.get('size_bytes')}"
+        except (OSError, AttributeError) as error:  # every rank waits for this verdict: never raise past it
+            return "damaged", f"cannot check its files ({type(error).__name__}: {error})"
         return "ok", None
 
     def _check_files(self, path: Path) -> str | None:
         """This rank's share of the SHA-256 checks."""
-        files = json.loads((path / MANIFEST).read_text())["files"]
-        for name in sorted(files)[self.rank::self.world]:
-            if _sha256(path / name) != files[name]["sha256"]:
-                return f"file {name} does not match its SHA-256 in the manifest"
+        try:
+            files = json.loads((path / MANIFEST).read_text())["files"]
+            for name in sorted(files)[self.rank::self.world]:
+                if _sha256(path / name) != files[name]["sha256"]:
+                    return f"file {name} does not match its SHA-256 in the manifest"
+        except (OSError, ValueError, KeyError, TypeError) as error:  # the others wait for this rank's answer
+            return f"cannot check its files ({type(error).__name__}: {error})"
         return None
 
     # collectives ----------------------------------------------------------------------------
