@@ -235,32 +235,39 @@ def test_splitting_small_microbatches_loses(model, mbs, seq, partitioned_wins) -
     assert (partitioned.energy_j < sequential.energy_j) is partitioned_wins
 
 
-def test_single_layer_study_against_the_paper(fwd_attn_study, simulator) -> None:
+@pytest.mark.parametrize("clock", [1410, 1100])
+def test_single_layer_study_against_the_paper(fwd_attn_study, simulator, clock) -> None:
     """§3.3: the energy-optimal overlapped schedule at 1410 MHz beats sequential execution by
     24.3 % energy and 12.3 % time. Time must be within the ±5-point window. Energy is held to the
     bound physics puts on it rather than to the paper's number (which the model misses, held-out
-    table): at a fixed clock compute's dynamic energy does not depend on the schedule (the paper's
-    own premise), so overlap can save at most static power over the time it saves plus the whole
-    dynamic energy of sequential execution's exposed collective,
+    table): compute's dynamic energy per cycle does not depend on the schedule, only on the voltage
+    it runs at (the paper's own premise, at a fixed clock), so overlap can save at most static power
+    over the time it saves, the whole dynamic energy of sequential execution's exposed collective,
+    and what a lower voltage takes off compute's dynamic energy:
 
-        energy_reduction <= (P_static * time_reduction + s * (P_exposed - P_static)) / P_sequential,
+        saved <= P_static * dT + E_exposed_dynamic + (1 - V_low^2 / V_seq^2) * E_compute_dynamic,
 
-    s the exposed share of sequential time. Copy interference and the throttled clocks only add to
-    the overlapped schedule's energy, so the bound holds with them (docs/simulator.md)."""
+    V_low the voltage of the overlapped run's lowest clock (its throttled mean less the controller's
+    dither), V_seq that of sequential's clock (equal when neither throttles). Copy interference
+    only adds to the overlapped schedule's energy (docs/simulator.md)."""
     points, sequential = fwd_attn_study
-    best = _best(_at(points, 1410))
-    seq = sequential[1410]
+    best = _best(_at(points, clock))
+    seq = sequential[clock]
     time_reduction = 1 - best["time_s"] / seq["time_s"]
     energy_reduction = 1 - best["energy_j"] / seq["energy_j"]
-    assert 0.07 <= time_reduction <= 0.18
+    if clock == 1410:
+        assert 0.07 <= time_reduction <= 0.18
     workload = build_workload(LLAMA3B, tp=4, cp=1, pp=1, seq_len=4096, micro_batch_size=8)
     comm = workload.partition_types["fwd_attn"].comm.scaled(2.0)  # sequential runs the microbatch's collective
-    exposed = simulator.sequential([comm], 1410)
-    share = seq["exposed_comm_s"] / seq["time_s"]
-    assert exposed.time_s / 2 == pytest.approx(seq["exposed_comm_s"], rel=1e-6)  # the same phase, per nanobatch
-    p_static = simulator.p_static_w
-    bound = (p_static * time_reduction + share * (exposed.avg_power_w - p_static)) / seq["avg_power_w"]
-    assert 0.05 <= energy_reduction <= bound
+    exposed = simulator.sequential([comm], clock).times(0.5)  # per nanobatch, as the study reports
+    assert exposed.time_s == pytest.approx(seq["exposed_comm_s"], rel=1e-6)  # the same phase
+    gpu = simulator.gpu
+    low_mhz = best["avg_clock_mhz"] - (simulator.params.throttle_wobble_mhz if best["throttled"] else 0.0)
+    voltage_ratio = (gpu.voltage_ratio(low_mhz) / gpu.voltage_ratio(seq["avg_clock_mhz"])) ** 2
+    compute_dynamic_j = seq["dynamic_energy_j"] - exposed.dynamic_energy_j
+    saved_bound_j = (simulator.p_static_w * (seq["time_s"] - best["time_s"]) + exposed.dynamic_energy_j
+                     + max(0.0, 1 - voltage_ratio) * compute_dynamic_j)
+    assert (0.05 if clock == 1410 else 0.0) < energy_reduction <= saved_bound_j / seq["energy_j"]
 
 
 @pytest.mark.parametrize("model,tp,cp,slower", [
