@@ -7,8 +7,9 @@ controller throttles: the realised clock wobbles between two steps around a lowe
 that the average power equals the limit. Time follows `f̄`; dynamic power follows the
 time-average of f·V(f)², which is larger than at `f̄` whenever V rises with f (Theorem 1) — so a
 throttled run costs more energy than the same work locked at its realised mean clock. The
-controller averages over tens of milliseconds, i.e. over a repeated partition or over a whole
-pipeline instruction, so throttling is resolved per measurement.
+controller is resolved per phase (`kareus.sim.clock`), so an instruction is exactly the sum of its
+separately measured partitions; docs/simulator.md says what a controller averaging over a whole
+run would change.
 
 Optional Gaussian measurement noise (relative `noise_std`, seeded) is applied to time and energy;
 without it every result is deterministic and cached.
