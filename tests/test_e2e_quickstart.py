@@ -21,13 +21,14 @@ import copy
 import gzip
 import json
 import re
+import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 from kube_helpers import read_or_none, wait_until
-from kubernetes import client, config
+from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from kareus.spec import load_job
@@ -207,3 +208,44 @@ def test_auto_backend_on_a_pod_without_a_gpu_fails_clearly_and_caches_nothing(cl
     key = failed["status"]["profile"]["key"]
     assert not key.startswith("sim-")
     assert read_or_none(lambda: core.read_namespaced_config_map(failed["status"]["profile"]["configMap"], NS)) is None
+
+
+def test_a_training_pod_stopped_by_sigterm_holds_no_clock_afterwards(cluster):
+    """Deleting a training pod mid-run (what a node drain or a preemption does): the kubelet sends
+    SIGTERM, the ranks stop together after their step and exit 143, and the node agent no longer
+    shows a clock locked by that pod (its lease ended, the GPU's clock was restored)."""
+    _, jobs, core = cluster
+    apps = client.AppsV1Api(core.api_client)
+    job = manifest("graceful")
+    job["spec"]["training"]["steps"] = 20000  # far more than the test lets it run
+    jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, job)
+    url = agent_metrics_url(core, apps)
+    selector = "kareus.dev/job-name=graceful,kareus.dev/role=train"
+
+    def locking_train_pod() -> str | None:
+        pods = {p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=selector).items
+                if p.status.phase == "Running"}
+        return next(iter(pods & locked_by(url)), None)
+
+    pod = wait_until(locking_train_pod, bool, timeout_s=300, what="a training pod holding a clock lock")
+    exit_codes: list[int] = []
+    stream = watch.Watch()
+
+    def record_exit() -> None:
+        for event in stream.stream(core.list_namespaced_pod, NS, field_selector=f"metadata.name={pod}",
+                                   timeout_seconds=120):
+            for status in event["object"].status.container_statuses or ():
+                if status.state.terminated is not None:
+                    exit_codes.append(status.state.terminated.exit_code)
+            if event["type"] == "DELETED":
+                stream.stop()
+
+    watcher = threading.Thread(target=record_exit, daemon=True)
+    watcher.start()
+    core.delete_namespaced_pod(pod, NS)  # the default grace period: SIGTERM first
+    watcher.join(timeout=130)
+    assert exit_codes and set(exit_codes) == {143}, exit_codes  # stopped after a step, not killed
+    wait_until(lambda: locked_by(url), lambda lockers: pod not in lockers, timeout_s=30,
+               what=f"the node agent releasing {pod}'s clock lock")
+    jobs.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "graceful")
+    wait_for(jobs, "graceful", lambda j: j is None, timeout_s=60)
