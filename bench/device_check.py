@@ -7,7 +7,10 @@ kernel); the sections that exercise Kareus itself import it lazily and record "s
 cannot be imported. It **never changes clocks or power limits** and never resets the GPU: NVML is
 reached only through `ReadOnlyNVML`, which refuses every `nvmlDeviceSet*` / `nvmlDeviceReset*`
 call by construction, and clock requests go to a recording client (no daemon). It writes one JSON
-file (`SCHEMA`, `SCHEMA_VERSION`) and prints a table. Without a GPU it prints one line and exits 2;
+file (`SCHEMA`, `SCHEMA_VERSION`) — after every section, atomically, with `"complete": false` until
+the last, so a hang or a kill loses only the section it was in — and prints a table. Collectives
+get `NCCL_TIMEOUT_S` (60 s, not NCCL's 10 minutes: a device command's limit is shorter). Without a
+GPU it prints one line and exits 2;
 it exits 1 only when the JSON is unusable (it could not be written, NVML's inventory failed, or a
 section left the CUDA context broken — later sections are then skipped with that reason).
 
@@ -22,7 +25,10 @@ guarded so that one failing records its error and the others still run:
   on a synthetic instruction sequence with CUDA-event markers, the CPU far ahead: per instruction,
   request time − the GPU's boundary time in ms (negative: the request leads the boundary);
 - `nccl_comms`: one-rank NCCL communicators per SM count (`kareus/runtime/comm.py`'s options):
-  init time, device memory before/after, min/max CTAs read back;
+  init time, device memory before/after, min/max CTAs read back. On one GPU the SM bound itself
+  cannot be observed (NCCL short-circuits a one-rank collective: no CTA of it runs), and the
+  section says so; its evidence is NCCL's own INIT log lines (`NCCL_DEBUG=INFO`, the channels each
+  communicator was built with);
 - `interference`: a GEMM and a memory-bound op alone and inside a long-running copy kernel (and an
   arithmetic-only spinner) on k = 1…32 blocks, the SMs those blocks actually got, the copy's own
   slowdown, and energy per op from NVML windows ≥ 2.5 s;
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -48,9 +55,9 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,6 +75,13 @@ LIGHT_PROJECT = frozenset({"kareus", "kareus.errors", "kareus.daemon_client"})
 INTERFERENCE_BLOCKS = (1, 2, 4, 8, 16, 32)
 ENERGY_BLOCKS = (8, 32)
 NCCL_SMS = (1, 2, 4, 8, 16, 32)
+NCCL_TIMEOUT_S = 60.0  # NCCL's default is 10 minutes: a hang would outlive the device command
+NCCL_EVIDENCE_LINES = 400
+ONE_RANK_SM_BOUND = ("not observable on one GPU: NCCL short-circuits a one-rank collective (a local copy, none of "
+                     "the communicator's CTAs run), so no timing here can show the SM bound; the evidence recorded "
+                     "is NCCL's INIT lines (nccl_init_lines: the channels, i.e. CTAs, each communicator was built "
+                     "with) and the CTAs read back. Observing the bound needs two or more GPUs.")
+CALIBRATION_UNITS = {"copy": 1, "spin": 1 << 16}  # passes / iterations of one calibration launch
 
 
 # -- NVML, read-only -------------------------------------------------------------------------------
@@ -248,8 +262,10 @@ class Section:
 
 def run_sections(sections: Sequence[Section], *, total_budget_s: float = TOTAL_BUDGET_S,
                  clock: Callable[[], float] = time.monotonic, healthy: Callable[[], str | None] = lambda: None,
-                 announce: Callable[[str], None] = print) -> tuple[dict[str, Any], str | None]:
+                 announce: Callable[[str], None] = print,
+                 recorded: Callable[[dict[str, Any]], None] = lambda records: None) -> tuple[dict[str, Any], str | None]:
     """Run every section in order; returns ({name: record}, why the JSON is unusable | None).
+    `recorded(records so far)` runs after each section (the report is written there).
 
     A record is {"status": "ok"|"error"|"skipped", "budget_s", "elapsed_s", "over_budget"} plus
     "result" (ok), "error" and "traceback" (error) or "reason" (skipped). A section is skipped when
@@ -264,10 +280,12 @@ def run_sections(sections: Sequence[Section], *, total_budget_s: float = TOTAL_B
         left = total_budget_s - (clock() - started)
         if broken is not None:
             records[section.name] = {**record, "status": "skipped", "reason": broken}
+            recorded(records)
             continue
         if section.budget_s > left:
             records[section.name] = {**record, "status": "skipped",
                                      "reason": f"total budget: {left:.0f} s left of {total_budget_s:.0f} s"}
+            recorded(records)
             continue
         announce(f"device_check: {section.name} (budget {section.budget_s:.0f} s)")
         budget = Budget(section.budget_s, clock)
@@ -287,6 +305,7 @@ def run_sections(sections: Sequence[Section], *, total_budget_s: float = TOTAL_B
         records[section.name] = record
         if record["status"] == "error" and section.required and unusable is None:
             unusable = f"{section.name} failed: {record['error']}"
+        recorded(records)
     return records, unusable
 
 
@@ -530,10 +549,45 @@ def read_ctas(backend: Any) -> dict[str, Any]:
             if hasattr(config, k)}
 
 
+def nccl_debug_env(log_dir: str) -> dict[str, str]:
+    """What makes NCCL log its INIT lines to a file in `log_dir` (set before its first init)."""
+    return {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT", "NCCL_DEBUG_FILE": os.path.join(log_dir, "nccl.%p.log")}
+
+
+def nccl_init_lines(log_dir: str, limit: int = NCCL_EVIDENCE_LINES) -> list[str]:
+    """NCCL's INIT log lines written to `log_dir` (at most `limit`), in order."""
+    lines: list[str] = []
+    for path in sorted(Path(log_dir).glob("nccl.*.log")):
+        lines += [line.rstrip() for line in path.read_text(errors="replace").splitlines() if "NCCL INFO" in line]
+    return lines[:limit]
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ for the block; what was there before afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def one_rank_init(dist: Any, store: Any, device: Any) -> None:
+    """The one-rank default group on `device`, with `NCCL_TIMEOUT_S`."""
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device,
+                            timeout=timedelta(seconds=NCCL_TIMEOUT_S))
+
+
 def nccl_comms(torch: Any, budget: Budget, sms_counts: Sequence[int] = NCCL_SMS) -> dict[str, Any]:
     """World size 1 over a FileStore: the default communicator bound to cuda:0, then one split,
     CTA-bounded group per SM count with the runtime's options; per group init time (creation plus
-    a first all-reduce), device memory before/after, CTAs read back."""
+    a first all-reduce), device memory before/after, CTAs read back, and NCCL's INIT lines (the
+    only evidence of the bound one GPU gives: `ONE_RANK_SM_BOUND`)."""
     dist = torch.distributed
     if not dist.is_available() or not dist.is_nccl_available():
         raise Skip("this torch has no NCCL")
@@ -548,12 +602,14 @@ def nccl_comms(torch: Any, budget: Budget, sms_counts: Sequence[int] = NCCL_SMS)
     torch.cuda.set_device(device)
     env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     out: dict[str, Any] = {"nccl_version": guarded(lambda: ".".join(map(str, torch.cuda.nccl.version()))),
-                           "nccl_env": env, "communicators": []}
-    with tempfile.TemporaryDirectory() as tmp:
+                           "nccl_env": env, "communicators": [], "sm_bound": ONE_RANK_SM_BOUND,
+                           "timeout_s": NCCL_TIMEOUT_S}
+    # NCCL reads its debug variables at its first init in the process, which is the next line's.
+    with tempfile.TemporaryDirectory() as tmp, environment(nccl_debug_env(tmp)):
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         free_before, total = torch.cuda.mem_get_info()
         start = time.perf_counter()
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+        one_rank_init(dist, store, device)
         probe = torch.ones(1024, device=device)
         dist.all_reduce(probe)
         torch.cuda.synchronize()
@@ -566,7 +622,8 @@ def nccl_comms(torch: Any, budget: Budget, sms_counts: Sequence[int] = NCCL_SMS)
                     break
                 free = torch.cuda.mem_get_info()[0]
                 start = time.perf_counter()
-                group = dist.new_group([0], backend="nccl", pg_options=comm.nccl_options(sms), device_id=device)
+                group = dist.new_group([0], backend="nccl", pg_options=comm.nccl_options(sms), device_id=device,
+                                       timeout=timedelta(seconds=NCCL_TIMEOUT_S))
                 created = time.perf_counter() - start
                 dist.all_reduce(probe, group=group)
                 torch.cuda.synchronize()
@@ -576,11 +633,13 @@ def nccl_comms(torch: Any, budget: Budget, sms_counts: Sequence[int] = NCCL_SMS)
                 out["communicators"].append(row)
         finally:
             dist.destroy_process_group()
+            out["nccl_init_lines"] = guarded(nccl_init_lines, tmp)
     rows = out["communicators"]
     out["device_memory_total_mib"] = total / 2**20
     out["summary"] = (f"{len(rows)} communicators: init {min(r['init_s'] for r in rows) * 1e3:.0f}–"
                       f"{max(r['init_s'] for r in rows) * 1e3:.0f} ms, "
-                      f"{max(r['device_memory_mib'] for r in rows):.0f} MiB max each") if rows else "none created"
+                      f"{max(r['device_memory_mib'] for r in rows):.0f} MiB max each; SM bound not observable "
+                      f"on one GPU (NCCL INIT lines kept)") if rows else "none created"
     return out
 
 
@@ -711,6 +770,17 @@ def _triton_kernels() -> tuple[Any, Any]:
     return copy_kernel, spin_kernel
 
 
+def warm_launches(passes: dict[tuple[str, int], int]) -> list[tuple[str, int, int]]:
+    """(kind, blocks, passes) to launch once before anything is timed: Triton compiles a kernel
+    per specialisation of its integer arguments (1, multiples of 16, …), so each pass count timed
+    later is launched once first. On the most blocks (the grid is no part of the specialisation,
+    and more blocks finish the warm-up sooner)."""
+    most: dict[str, int] = {}
+    for (kind, blocks) in passes:
+        most[kind] = max(most.get(kind, 0), blocks)
+    return sorted({(kind, most[kind], n) for (kind, _), n in passes.items()})
+
+
 class CudaTimer(Timer):
     """The matrix on cuda:0: foreground on the current stream, background on a high-priority side
     stream, all spans from CUDA events against one origin event."""
@@ -735,6 +805,9 @@ class CudaTimer(Timer):
         self.origin = _event(torch)
         self.passes = {("copy", k): self._calibrate("copy", k) for k in INTERFERENCE_BLOCKS}
         self.passes.update({("spin", k): self._calibrate("spin", k) for k in INTERFERENCE_BLOCKS})
+        for kind, blocks, passes in warm_launches(self.passes):
+            self._launch(kind, blocks, passes)
+        torch.cuda.synchronize()
 
     def _setup_kernels(self) -> None:
         """Triton with %smid read-back, else Triton without it, else torch (block count not bounded)."""
@@ -745,9 +818,9 @@ class CudaTimer(Timer):
             kernels = None
         for smid in (True, False) if kernels else ():
             self._triton, self._smid = kernels, smid
-            try:
-                self._launch("copy", 1, 1)
-                self._launch("spin", 1, 1)
+            try:  # compiles the calibration's specialisation too: the calibration is timed
+                for kind, unit in CALIBRATION_UNITS.items():
+                    self._launch(kind, 1, unit)
                 self.torch.cuda.synchronize()
                 break
             except Exception as error:  # e.g. the %smid inline asm refused
@@ -794,7 +867,7 @@ class CudaTimer(Timer):
 
     def _calibrate(self, kind: str, blocks: int) -> int:
         """Passes (copy) or iterations (spin) that keep k blocks busy ~4× an op window."""
-        unit = 1 if kind == "copy" else 1 << 16
+        unit = CALIBRATION_UNITS[kind]
         start, end = self._background(kind, blocks, unit)
         end.synchronize()
         once_s = max(start.elapsed_time(end) / 1000.0, 1e-6)
@@ -1088,14 +1161,25 @@ def build_sections(torch: Any, nvml: ReadOnlyNVML, report: dict[str, Any], windo
 
 
 def write_report(report: dict[str, Any], path: str) -> str | None:
-    """Write the JSON; why it is unusable, or None."""
+    """Write the JSON (whole or not at all: a kill mid-write leaves the previous one); why it is
+    unusable, or None."""
     problems = validate_report(report)
     try:
         text = json.dumps(report, indent=1, default=str)
-        Path(path).write_text(text)
+        partial = Path(f"{path}.partial")
+        partial.write_text(text)
+        os.replace(partial, path)
     except (OSError, TypeError, ValueError) as error:
         problems.append(f"could not write {path}: {error}")
     return "; ".join(problems) or None
+
+
+def report_writer(report: dict[str, Any], path: str) -> Callable[[dict[str, Any]], None]:
+    """`run_sections`' `recorded`: the report so far, written after every section."""
+    def write(records: dict[str, Any]) -> None:
+        report["sections"] = dict(records)
+        write_report(report, path)
+    return write
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1128,8 +1212,11 @@ def main(argv: list[str] | None = None) -> int:
         wanted = set(args.only.split(","))
         sections = [s for s in sections if s.name in wanted or s.name == "nvml"]
     started = time.monotonic()
-    report["sections"], unusable = run_sections(sections, healthy=lambda: cuda_usable(torch))
+    report["complete"] = False  # until every section has run
+    report["sections"], unusable = run_sections(sections, healthy=lambda: cuda_usable(torch),
+                                                recorded=report_writer(report, args.out))
     report["elapsed_s"] = round(time.monotonic() - started, 1)
+    report["complete"] = True
     problem = write_report(report, args.out)
     for line in format_table(report["sections"]):
         print(line)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -338,3 +340,74 @@ def test_cuda_device_is_found_in_nvml_by_uuid_not_index(dc):
     assert dc.gpu_for_uuid(gpus, second.removeprefix("GPU-"))["nvml_index"] == 1
     assert dc.gpu_for_uuid(gpus, second)["nvml_index"] == 1
     assert dc.gpu_for_uuid(gpus, "GPU-not-there") is None
+
+
+# -- what a hang or a kill leaves, NCCL's timeout and evidence, Triton warm-up ------------------
+def test_the_report_is_on_disk_after_every_section_so_a_kill_keeps_what_ran(dc, tmp_path):
+    """Fails where the JSON is written only at the end: an interrupted run leaves nothing."""
+    path = tmp_path / "out.json"
+    report = {**_report(dc, {}), "complete": False}
+    seen = []
+
+    def first(budget):
+        return {"summary": "first"}
+
+    def second(budget):
+        seen.append(json.loads(path.read_text()))  # what a kill right now would leave
+        raise KeyboardInterrupt  # a hang ended by the device command's timeout, as far as the file knows
+
+    with pytest.raises(KeyboardInterrupt):
+        dc.run_sections([dc.Section("first", 5, first), dc.Section("second", 5, second)], clock=FakeClock(),
+                        announce=lambda _: None, recorded=dc.report_writer(report, str(path)))
+    left = json.loads(path.read_text())
+    assert left == seen[0]
+    assert left["complete"] is False and list(left["sections"]) == ["first"]
+    assert left["sections"]["first"]["result"] == {"summary": "first"}
+    assert dc.validate_report(left) == []
+    assert not (tmp_path / "out.json.partial").exists()  # written whole, then renamed
+
+
+def test_the_one_rank_nccl_group_gets_a_60_second_timeout(dc):
+    """Fails on NCCL's default 10-minute timeout, longer than a device command may run."""
+    calls = []
+
+    class Dist:
+        def init_process_group(self, backend, **kwargs):
+            calls.append((backend, kwargs))
+
+    dc.one_rank_init(Dist(), "store", "cuda:0")
+    assert calls == [("nccl", {"store": "store", "rank": 0, "world_size": 1, "device_id": "cuda:0",
+                               "timeout": timedelta(seconds=60)})]
+    assert dc.NCCL_TIMEOUT_S == 60
+
+
+def test_one_gpu_says_the_sm_bound_cannot_be_observed_and_keeps_nccls_init_lines(dc, tmp_path):
+    assert "not observable on one GPU" in dc.ONE_RANK_SM_BOUND and "INIT" in dc.ONE_RANK_SM_BOUND
+    env = dc.nccl_debug_env(str(tmp_path))
+    assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT"
+    assert env["NCCL_DEBUG_FILE"].startswith(str(tmp_path))
+    # What NCCL writes there (%p: one file per process), noise and all.
+    (tmp_path / "nccl.4242.log").write_text(
+        "host:4242:4242 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.2<0>\n"
+        "not an NCCL line\n"
+        "host:4242:4250 [0] NCCL INFO Channel 00/04 :    0\n"
+        "host:4242:4250 [0] NCCL INFO ncclCommInitRankConfig comm 0x55 rank 0 nranks 1 - Init COMPLETE\n")
+    lines = dc.nccl_init_lines(str(tmp_path))
+    assert [line.split("NCCL INFO ")[1] for line in lines] == [
+        "Bootstrap : Using eth0:10.0.0.2<0>", "Channel 00/04 :    0",
+        "ncclCommInitRankConfig comm 0x55 rank 0 nranks 1 - Init COMPLETE"]
+    assert dc.nccl_init_lines(str(tmp_path), limit=1) == lines[:1]
+    before = dict(os.environ)
+    with dc.environment(env):
+        assert os.environ["NCCL_DEBUG"] == "INFO"
+    assert dict(os.environ) == before
+
+
+def test_every_timed_triton_specialisation_is_launched_once_first(dc):
+    """Fails where the warm-up launches (1 pass, 1 iteration) differ from what is timed: Triton
+    compiles the timed specialisation inside the first timed window."""
+    passes = {("copy", 1): 1, ("copy", 8): 3, ("copy", 32): 3, ("spin", 1): 1 << 16, ("spin", 32): 5 << 16}
+    assert dc.warm_launches(passes) == [("copy", 32, 1), ("copy", 32, 3), ("spin", 32, 1 << 16),
+                                        ("spin", 32, 5 << 16)]
+    # The calibration launches are timed too, so the kernel probe launches exactly those.
+    assert dc.CALIBRATION_UNITS == {"copy": 1, "spin": 1 << 16}
