@@ -69,6 +69,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "noWorkerServiceAccount": {"workers": {"createServiceAccount": False}},
     "ownServiceAccounts": {"operator": {"serviceAccount": {"create": False, "name": "ops"}},
                            "nodeAgent": {"serviceAccount": {"create": False, "name": "agent"}}},
+    "metricsAuth": {"nodeAgent": {"metricsAuth": "tokenreview", "metricsReaders": [
+                        {"kind": "ServiceAccount", "name": "prometheus-k8s", "namespace": "monitoring"}]},
+                    "metrics": {"serviceMonitor": {"enabled": True}}},
 }
 MONITORING_GROUP = "monitoring.coreos.com/v1"
 
@@ -465,16 +468,22 @@ def test_rbac_is_least_privilege(objects, name):
     rules = rules_of(objs, "ClusterRole") + rules_of(objs, "Role")
     assert rules
     for _, rule in rules:
+        if "nonResourceURLs" in rule:  # a URL rule names URLs, no resources; never a wildcard either
+            assert "resources" not in rule and not any("*" in url for url in rule["nonResourceURLs"])
+            assert rule["verbs"] == ["get"]
+            continue
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule.get("apiGroups", [])
         assert "secrets" not in rule["resources"]
         assert not {"roles", "rolebindings", "clusterroles", "clusterrolebindings"} & set(rule["resources"])
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
     agent = [r for n, r in rules_of(objs, "ClusterRole") if n.endswith("node-agent")]
-    # its node's pods (pod UID → name, labels) and TokenReviews of its TCP callers' tokens
+    # its node's pods (pod UID → name, labels), TokenReviews of its TCP callers' tokens, and the keys
+    # those tokens are signed with (checked before any TokenReview)
     assert agent == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                     {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}]
+                     {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+                     {"nonResourceURLs": ["/openid/v1/jwks"], "verbs": ["get"]}]
     for n, rule in rules_of(objs, "ClusterRole"):
-        if "kareusjobs" in rule["resources"]:
+        if "kareusjobs" in rule.get("resources", []):
             # never create jobs; delete only for ttlSecondsAfterFinished
             assert rule["verbs"] == ["get", "list", "watch", "patch", "update", "delete"]
         if n.endswith("-discovery"):
@@ -753,6 +762,27 @@ def test_node_agent_flags_and_config_are_what_the_daemon_reads(objects, tmp_path
     assert args.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
     assert args.metrics_port == container["ports"][0]["containerPort"]
     assert args.node_name == "$(NODE_NAME)"  # the kubelet expands it from the NODE_NAME env var
+
+
+def test_agent_probes_are_on_localhost_and_metrics_may_need_a_token(objects):
+    node_main = pytest.importorskip("kareus_node.main")
+    container = one(objects["default"], "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    args = node_main.build_parser().parse_args(container["args"])
+    assert args.health_port == 9403 and args.metrics_auth == "none"
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert container[probe]["httpGet"] == {"host": "127.0.0.1", "path": path, "port": 9403}
+    assert not [n for (k, _, n) in objects["default"] if k == "ClusterRole" and n.endswith("metrics-reader")]
+    guarded = objects["metricsAuth"]
+    container = one(guarded, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert node_main.build_parser().parse_args(container["args"]).metrics_auth == "tokenreview"
+    agent = [r for n, r in rules_of(guarded, "ClusterRole") if n.endswith("node-agent")]
+    assert {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]} in agent
+    assert [r for n, r in rules_of(guarded, "ClusterRole") if n.endswith("metrics-reader")] == [
+        {"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    binding = one(guarded, "ClusterRoleBinding", "metrics-reader")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "prometheus-k8s", "namespace": "monitoring"}]
+    monitor = one(guarded, "ServiceMonitor", "node-agent")
+    assert monitor["spec"]["endpoints"][0]["bearerTokenFile"] == "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
 def test_daemon_port_agrees_between_agent_and_operator(objects):

@@ -193,6 +193,8 @@ clockBounds:
 - --proc-root=/proc
 - --metrics-port={{ $agent.metricsPort }}
 - --metrics-address=$(POD_IP)
+- --metrics-auth={{ $agent.metricsAuth }}
+- --health-port={{ $agent.healthPort }}
 - --log-format={{ $agent.logFormat }}
 - --log-level={{ $agent.logLevel | upper }}
 {{- range $agent.extraArgs }}
@@ -215,17 +217,20 @@ clockBounds:
 {{- end -}}
 
 {{- define "kareus.nodeAgent.probes" -}}
+# The probes have a server of their own on the node's loopback (hostNetwork), apart from /metrics.
 livenessProbe:
   httpGet:
+    host: 127.0.0.1
     path: /healthz
-    port: metrics
+    port: {{ .Values.nodeAgent.healthPort }}
   initialDelaySeconds: 10
   periodSeconds: 20
 # Ready only while the socket is served and pod-to-GPU authorisation works (fail closed).
 readinessProbe:
   httpGet:
+    host: 127.0.0.1
     path: /readyz
-    port: metrics
+    port: {{ .Values.nodeAgent.healthPort }}
   periodSeconds: 10
 {{- end -}}
 
