@@ -94,7 +94,7 @@ def test_megatron_indexed_dataset_reads_its_documents_as_one_stream(tmp_path):
         data = load_data(tmp_path / path, VOCAB)
         assert data.format == "megatron" and data.tokens.dtype == np.int32
         assert data.tokens.tolist() == [t for doc in documents for t in doc]
-    assert data.identity == {"format": "megatron", "tokens": 9, "dtype": "int32"}
+    assert data.identity == {"format": "megatron", "tokens": 9, "dtype": "int32", "order": "epochs"}
 
 
 @pytest.mark.parametrize("damage,message", [
@@ -178,11 +178,37 @@ def test_kareus_train_reads_a_megatron_dataset_and_refuses_one_beyond_the_vocabu
     assert "\n" not in err
 
 
-def test_a_checkpoint_of_other_data_is_refused(tmp_path):
-    np.save(tmp_path / "a.npy", np.arange(2000) % VOCAB)
+def test_a_resume_goes_on_in_the_files_epochs_and_refuses_other_data(tmp_path):
+    rng = np.random.default_rng(1)
+    np.save(tmp_path / "a.npy", rng.integers(0, VOCAB, 170))  # 10 samples of 16: 7 steps of 2 run into a second epoch
     np.save(tmp_path / "b.npy", np.arange(3000) % VOCAB)
     job = load_job(_job(tmp_path))
-    ckpt = str(tmp_path / "ckpt")
-    train(job, steps=2, job_name=job.name, data_path=str(tmp_path / "a.npy"), checkpoint_dir=ckpt, checkpoint_every=1)
-    with pytest.raises(KareusError, match=r"not this run's: data\.tokens: checkpoint 2000, this run 3000"):
-        train(job, steps=4, job_name=job.name, data_path=str(tmp_path / "b.npy"), checkpoint_dir=ckpt)
+    ckpt, data = str(tmp_path / "ckpt"), str(tmp_path / "a.npy")
+    reference = train(job, steps=7, job_name=job.name, data_path=data).losses
+    first = train(job, steps=3, job_name=job.name, data_path=data, checkpoint_dir=ckpt, checkpoint_every=3)
+    resumed = train(job, steps=7, job_name=job.name, data_path=data, checkpoint_dir=ckpt)
+    assert first.losses == reference[:3] and resumed.first_step == 3
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(resumed.losses, reference[3:], strict=True))
+    with pytest.raises(KareusError, match=r"not this run's: data\.tokens: checkpoint 170, this run 3000"):
+        train(job, steps=9, job_name=job.name, data_path=str(tmp_path / "b.npy"), checkpoint_dir=ckpt)
+
+
+def test_token_files_are_read_in_epochs_every_sample_once():
+    seq, tokens = 8, np.arange(8 * 12 + 1) % VOCAB  # 12 samples
+    batcher = Batcher(tokens, seq, 2, 1, dp=2, seed=5, order="epochs")  # global batch 4: an epoch is 3 steps
+    assert batcher.num_samples == 12
+    seen = [x[:, 0].tolist() for step in range(6) for rank in (0, 1) for x, _ in batcher.microbatches(step, rank)]
+    first, second = sorted(t for b in seen[:6] for t in b), sorted(t for b in seen[6:] for t in b)
+    assert first == second == [(i * seq) % VOCAB for i in range(12)]  # each epoch: every sample once
+    assert [t for b in seen[:6] for t in b] != [t for b in seen[6:] for t in b]  # reshuffled per epoch
+    x, y = batcher.microbatches(0, 0)[0]
+    assert torch.equal(x[:, 1:], y[:, :-1]) and x.shape == (2, seq)
+    # The step is the position: a fresh batcher (a resumed run) at step 4 reads what this one reads.
+    again = Batcher(tokens, seq, 2, 1, dp=2, seed=5, order="epochs")
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(again.microbatches(4, 1), batcher.microbatches(4, 1),
+                                                        strict=True))
+    # Any (data, microbatches) split of the global batch sees the same sequences.
+    one = Batcher(tokens, seq, 2, 2, dp=1, seed=5, order="epochs").microbatches(4, 0)
+    assert [b[0].tolist() for b in one] == [b[0].tolist() for r in (0, 1) for b in batcher.microbatches(4, r)]
+    with pytest.raises(KareusError, match="data order must be one of"):
+        Batcher(tokens, seq, 2, 1, order="sorted")

@@ -16,8 +16,12 @@ Every file is checked whole before training: integer ids, all below the model's 
 `--data-dtype` shows up here). The built-in corpus is synthetic English generated from a small
 grammar with a fixed seed: repetitive enough that a tiny model's loss drops within a few dozen steps.
 
-Batches are windows of `seq_len + 1` tokens (inputs and next-token targets) at offsets drawn from
-`(seed, step)`. The global batch of a step is a list of sequences; data-parallel rank d,
+Batches are windows of `seq_len + 1` tokens (inputs and next-token targets). From a token file
+(npy, bin, megatron) they are read in epochs, as Megatron-LM does: the file is cut into
+non-overlapping samples at multiples of `seq_len`, each epoch visits every sample once in an order
+drawn from `(seed, epoch)`, and step k takes the k-th global batch of that sequence. From the
+built-in corpus and byte files they are windows at offsets drawn from `(seed, step)` (as before:
+the demo corpus is small and repetitive). The global batch of a step is a list of sequences; data-parallel rank d,
 microbatch m takes sequences `(d·M + m)·mbs …` so any (data, microbatches) split of the same
 global batch sees the same sequences — a DP2×M2 run equals a single-process M4 run. A rank reads
 only its own windows from the memory-mapped file. The step is the data position: a run resumed at
@@ -26,7 +30,7 @@ step N (`kareus.runtime.checkpoint`) reads what an uninterrupted run reads from 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +57,7 @@ def builtin_corpus(num_sentences: int = 4000, seed: int = 1234) -> bytes:
 
 
 FORMATS = ("npy", "bin", "megatron", "bytes")
+ORDERS = ("random", "epochs")
 BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # Megatron-LM's MMapIndexedDataset index (megatron/core/datasets/indexed_dataset.py): magic, version
 # 1, the token type's code, sequence and document counts, then their arrays.
@@ -70,8 +75,15 @@ class TokenData:
     format: str
 
     @property
+    def order(self) -> str:
+        """How batches are drawn: token files (npy, bin, megatron) in epochs, as Megatron-LM and
+        torchtitan read a corpus; the built-in corpus and byte files as random windows."""
+        return "epochs" if self.format in ("npy", "bin", "megatron") else "random"
+
+    @property
     def identity(self) -> dict[str, object]:
-        return {"format": self.format, "tokens": int(self.tokens.size), "dtype": str(self.tokens.dtype)}
+        return {"format": self.format, "tokens": int(self.tokens.size), "dtype": str(self.tokens.dtype),
+                "order": self.order}
 
 
 def load_tokens(path: str | Path | None, vocab_size: int) -> np.ndarray:
@@ -188,11 +200,21 @@ class Batcher:
     num_microbatches: int
     dp: int = 1
     seed: int = 0
+    order: str = "random"  # random: windows anywhere; epochs: every sample once per epoch, shuffled
+    _permutations: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise KareusError(f"data order must be one of {ORDERS}, got {self.order!r}")
         if self.tokens.size < self.seq_len + 2:
             raise KareusError(f"--data: {self.tokens.size} tokens are too few for sequences of "
                               f"{self.seq_len} (need at least {self.seq_len + 2})")
+
+    @property
+    def num_samples(self) -> int:
+        """Non-overlapping samples of an epoch: windows at multiples of `seq_len` (each shares its
+        last token, the last target, with the next one's first input, as Megatron's GPT samples do)."""
+        return (self.tokens.size - 1) // self.seq_len
 
     @property
     def global_batch_size(self) -> int:
@@ -204,10 +226,30 @@ class Batcher:
 
     def microbatches(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> list[tuple[Tensor, Tensor]]:
         """(inputs, targets) `[mbs, seq]` for each microbatch of `dp_rank` at `step`."""
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, self.tokens.size - self.seq_len - 1, size=self.global_batch_size)
+        starts = self._starts(step)
         per_rank = self.num_microbatches * self.micro_batch_size
         mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]  # only these pages of a mapped file are read
         windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in mine])
         windows = torch.from_numpy(windows).to(device)
         return [(mb[:, :-1], mb[:, 1:]) for mb in windows.split(self.micro_batch_size)]
+
+    def _starts(self, step: int) -> np.ndarray:
+        """Token offsets of the global batch's sequences at `step`."""
+        if self.order == "random":
+            rng = np.random.default_rng([self.seed, step])
+            return rng.integers(0, self.tokens.size - self.seq_len - 1, size=self.global_batch_size)
+        # Samples consumed before this step: the step is the position in the (epoch, sample) order.
+        first = step * self.global_batch_size
+        epochs, within = np.divmod(np.arange(first, first + self.global_batch_size), self.num_samples)
+        return np.array([self._permutation(int(e))[w] for e, w in zip(epochs, within, strict=True)],
+                        dtype=np.int64) * self.seq_len
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s sample order from `(seed, epoch)`; the two latest are kept (a step can span two)."""
+        if epoch not in self._permutations:
+            if len(self._permutations) >= 2:
+                self._permutations.pop(min(self._permutations))
+            kind = np.int32 if self.num_samples < 1 << 31 else np.int64
+            self._permutations[epoch] = np.random.default_rng([self.seed, 1 << 20, epoch]).permutation(
+                self.num_samples).astype(kind)
+        return self._permutations[epoch]

@@ -243,7 +243,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                              config.activation_checkpointing, cp)
     data = load_data(config.data_path, trained.shape.vocab_size, config.data_format, config.data_dtype)
     batcher = Batcher(data.tokens, trained.seq_len, config.micro_batch_size, config.num_microbatches, config.dp,
-                      config.seed)
+                      config.seed, data.order)
     # Tokens per step of the job's model: what its (simulated or measured) energy is spent on.
     tokens_per_step = batcher.global_batch_size * config.seq_len
     source = "nvml" if meter else "simulated"
