@@ -18,6 +18,7 @@ import pytest
 import yaml
 from kube_helpers import wait_until
 
+from kareus.cli import main as cli_main
 from kareus.errors import EXIT_CONFIG, NON_RETRYABLE_EXIT_CODES, KareusError
 from kareus.runtime import stopping, train
 from kareus.runtime.checkpoint import MANIFEST, CheckpointSettings
@@ -227,3 +228,16 @@ def test_two_ranks_skip_a_damaged_checkpoint_and_print_why(tmp_path, tp2_referen
     assert json.loads(stdout.splitlines()[-1])["first_step"] == 2
     losses = [line["loss"] for line in _lines(tmp_path / "out2" / "train.jsonl")]
     assert _close(losses, tp2_reference[2:]), (losses, tp2_reference)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--checkpoint-dir", "/tmp/x", "--checkpoint-every", "-1"], "--checkpoint-every must be >= 0, got -1"),
+    (["--checkpoint-dir", "/tmp/x", "--checkpoint-keep", "0"], "--checkpoint-keep must be >= 1, got 0"),
+])
+def test_checkpoint_flags_are_checked_in_one_line(tmp_path, capsys, args, message):
+    job_path = tmp_path / "job.yaml"
+    job_path.write_text(yaml.safe_dump(_manifest()))
+    assert cli_main(["train", str(job_path), "--steps", "1", *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"kareus: error: {message}"
