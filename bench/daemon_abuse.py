@@ -44,6 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "node_daemon")]
 import jwt  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import rsa  # noqa: E402
 from kareus_node.auth import TOKEN_AUDIENCE, KubeletAuthorizer, TokenAuthorizer  # noqa: E402
+from kareus_node.ceilings import ClockCeilings  # noqa: E402
 from kareus_node.config import parse_config  # noqa: E402
 from kareus_node.journal import Journal  # noqa: E402
 from kareus_node.jwks import JWKS_PATH, TokenVerifier  # noqa: E402
@@ -78,6 +79,7 @@ class FakeAPIServer:
     """The API server as the daemon sees it: the pod list, the JWKS, TokenReviews (each counted)."""
 
     pods: dict[str, FakePod] = field(default_factory=dict)  # uid → pod
+    configmaps: dict[str, dict[str, str]] = field(default_factory=dict)  # "namespace/name" → data
     review_latency_s: float = 0.0  # what one TokenReview costs the real one, roughly
     fail: bool = False
     requests: dict[str, int] = field(default_factory=lambda: {"pods": 0, "jwks": 0, "tokenreviews": 0,
@@ -95,6 +97,11 @@ class FakeAPIServer:
             self._count("jwks")
             public = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(self.key.public_key()))
             return {"keys": [{**public, "kid": KID, "use": "sig", "alg": "RS256"}]}
+        if path.startswith("/api/v1/namespaces/") and "/configmaps/" in path:
+            namespace, name = path.split("/")[4], path.split("/")[6]
+            if f"{namespace}/{name}" not in self.configmaps:
+                raise KubeAPIUnavailable(f"GET {path}: HTTP 404", 404)
+            return {"kind": "ConfigMap", "data": dict(self.configmaps[f"{namespace}/{name}"])}
         if path.startswith("/api/v1/pods"):
             self._count("pods")
             node = urllib.parse.unquote(path).split("spec.nodeName=")[1]
@@ -190,6 +197,8 @@ class RunningDaemon:
         self.kubelet = KubeletAuthorizer(self.config, self.pods, self.pod_resources, proc_root=str(self.proc_root))
         self.token_authorizer = TokenAuthorizer(self.config, self.pods, self.pod_resources, api, node_name=NODE,
                                                 verifier=self.verifier)
+        self.ceilings = ClockCeilings(api, "kareus-node", max_age_s=self.config.pod_recheck_s)
+        self.kubelet.ceilings = self.token_authorizer.ceilings = self.ceilings
         self.daemon = Daemon(self.gpus, self.kubelet, self.config, Journal(tmp / "state"), node_name=NODE,
                              recheck=True, token_authorizer=self.token_authorizer)
         self.metrics = DaemonMetrics()

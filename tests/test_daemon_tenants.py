@@ -149,7 +149,7 @@ def test_sessions_without_leases_are_closed_when_their_token_stops_validating(no
     sessions = [node.session(node.other) for _ in range(8)]
     node.api.pods.pop(node.other.uid)  # the pod is deleted: its bound token no longer validates
     assert all(_closed(sock, timeout_s=5.0) for sock in sessions)
-    assert node.daemon.call(lambda: len(node.daemon.daemon.sessions)) == 0
+    wait_for(lambda: node.daemon.call(lambda: len(node.daemon.daemon.sessions)) == 0)  # each reader saw its end
 
 
 # ---------------------------------------------------------------- item 3: TokenReview amplification
@@ -305,6 +305,30 @@ def test_a_peer_that_exited_before_its_pod_was_read_has_no_pod(tmp_path):
     (proc_root / str(child)).mkdir()
     (proc_root / str(child) / "cgroup").write_text(f"0::/kubepods/pod{abuse.pod_uid(2)}/c\n")  # another's now
     assert pinned_pod_uid(pidfd, child, proc_root=proc_root) is None
+
+
+# ---------------------------------------------------------------- item 6: per-pod clock ceilings
+
+
+def test_the_daemon_enforces_the_clock_ceilings_the_operator_publishes(node):
+    from kareus_operator.clock_ceilings import ceilings_configmap
+
+    sock = node.session(node.train)
+    assert _request(sock, "lock", gpus=[node.gpus[0]], clock_mhz=1305, wait=True)["ok"]
+    published = ceilings_configmap({node.train.uid: 1100, node.other.uid: 900}, "kareus-node")
+    node.api.configmaps["kareus-node/kareus-clock-ceilings"] = published["data"]
+    gpu = node.daemon.gpus[0]
+    wait_for(lambda: gpu.locked_clock_mhz() == 1095)  # the re-check lowered the held clock to the ceiling
+    reply = _request(sock, "lock", gpus=[node.gpus[0]], clock_mhz=1200)
+    assert reply["error"]["code"] == "refused"
+    assert "above the clock ceiling 1095 MHz the operator set for pod team-a/llama-0" in reply["error"]["message"]
+    assert next(g for g in _request(sock, "discover")["gpus"] if g["uuid"] == node.gpus[0])["max_clock_mhz"] == 1095
+    assert _request(sock, "lock", gpus=[node.gpus[0]], clock_mhz=1005)["ok"]
+    node.api.configmaps["kareus-node/kareus-clock-ceilings"] = {node.train.uid: "fast"}  # a bad entry: ignored
+    wait_for(lambda: _request(sock, "lock", gpus=[node.gpus[0]], clock_mhz=1305)["ok"])
+    sock.close()
+    with pytest.raises(ValueError, match="clock ceiling of pod p: must be a whole number of MHz > 0"):
+        ceilings_configmap({"p": 0}, "kareus-node")
 
 
 # ---------------------------------------------------------------- item 9: the metrics/health server

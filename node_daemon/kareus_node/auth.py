@@ -111,6 +111,7 @@ class Grant:
     refusals: Mapping[str, str]
     refused: str = ""
     reviewed_at: float = field(default=0.0, compare=False)
+    ceiling_mhz: int | None = None  # the pod's clock ceiling the operator published (ceilings.py); None: none
 
     def reason(self, uuid: str) -> str:
         return self.refusals.get(uuid, f"GPU {uuid} is not on this node")
@@ -141,6 +142,7 @@ class PodAuthorizer(Authorizer):
         self._config = config
         self._pods = pods
         self._pod_resources = pod_resources
+        self.ceilings: Any = None  # a ceilings.ClockCeilings, when the operator publishes per-pod ceilings
 
     def probe(self) -> None:
         try:
@@ -186,7 +188,8 @@ class PodAuthorizer(Authorizer):
                 refusals[uuid] = f"GPU {uuid} is allocated to several pods; clock control is refused"
             else:
                 refusals[uuid] = ""
-        return Grant(owner, refusals, reviewed_at=reviewed_at)
+        ceiling = self.ceilings.for_pod(pod.uid) if self.ceilings is not None else None
+        return Grant(owner, refusals, reviewed_at=reviewed_at, ceiling_mhz=ceiling)
 
 
 class KubeletAuthorizer(PodAuthorizer):

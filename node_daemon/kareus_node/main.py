@@ -34,6 +34,7 @@ from kareus_node.auth import (
     TokenAuthorizer,
     load_allow_list,
 )
+from kareus_node.ceilings import ClockCeilings
 from kareus_node.config import NodeConfig, load_config
 from kareus_node.identity import enter_host_cgroup_namespace
 from kareus_node.journal import Journal, JournalError
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pod-resources-socket", default=DEFAULT_SOCKET, help="kubelet pod-resources socket")
     parser.add_argument("--kube-api", default=None, help="API server URL (default: in-cluster)")
     parser.add_argument("--proc-root", default="/proc", help="where to read /proc/<pid>/cgroup (hostPID)")
+    parser.add_argument("--clock-ceilings", metavar="NAMESPACE/NAME", type=_namespaced_name, default=None,
+                        help="enforce the per-pod clock ceilings the operator publishes in this ConfigMap (cluster mode)")
     parser.add_argument("--metrics-address", default="0.0.0.0", help="address of the metrics endpoint")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="0 picks a free port")
     parser.add_argument("--metrics-auth", choices=("none", "tokenreview"), default="none",
@@ -187,11 +190,14 @@ def _authorizers(args: argparse.Namespace, config: NodeConfig, gpus: list) -> tu
     # The device plugin may name GPUs by NVML index instead of UUID (DEVICE_ID_STRATEGY=index).
     pod_resources = PodResourcesClient(args.pod_resources_socket, gpu_index={gpu.index: gpu.uuid for gpu in gpus})
     kubelet = KubeletAuthorizer(config, pods, pod_resources, proc_root=args.proc_root)
+    ceilings = ClockCeilings(pods.api, *args.clock_ceilings, max_age_s=config.pod_recheck_s) if args.clock_ceilings else None
+    kubelet.ceilings = ceilings
     if not args.listen_tcp:
         return kubelet, None
     verifier = TokenVerifier(pods.api, audience=TOKEN_AUDIENCE)
-    return kubelet, TokenAuthorizer(config, pods, pod_resources, pods.api, node_name=args.node_name,
-                                    verifier=verifier)
+    tokens = TokenAuthorizer(config, pods, pod_resources, pods.api, node_name=args.node_name, verifier=verifier)
+    tokens.ceilings = ceilings
+    return kubelet, tokens
 
 
 def _metrics_authorizer(args: argparse.Namespace) -> MetricsAuthorizer:
@@ -199,6 +205,13 @@ def _metrics_authorizer(args: argparse.Namespace) -> MetricsAuthorizer:
     if not api_url:
         raise KareusError("--metrics-auth tokenreview: no Kubernetes API server (run in a pod or pass --kube-api URL)")
     return MetricsAuthorizer(KubeAPI(api_url))
+
+
+def _namespaced_name(text: str) -> tuple[str, str]:
+    namespace, sep, name = text.partition("/")
+    if not sep or not namespace or not name or "/" in name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAMESPACE/NAME")
+    return namespace, name
 
 
 def _host_port(text: str) -> tuple[str, int]:

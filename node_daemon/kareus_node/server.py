@@ -33,7 +33,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,7 @@ class Session:
     grant: Grant | None = None
     leases: set[str] = field(default_factory=set)
     schedules: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)  # uuid → (clocks, cursor)
+    clocks: dict[str, int] = field(default_factory=dict)  # uuid → the clock last wanted on its lease
     bad_frames: int = 0
     peer_ip: str = ""  # TCP: the connection's source address
     writer: Any = field(default=None, repr=False)  # to close the session from outside its reader (re-check)
@@ -366,7 +367,7 @@ class Daemon:
         gpus = []
         for uuid, gpu in self.gpus.items():
             reason = self._control_refusal(grant, uuid)
-            low, high = self.bounds[uuid]
+            low, high = self._bounds_for(grant, uuid)
             gpus.append({"uuid": uuid, "pci_bus_id": gpu.pci_bus_id, "name": gpu.name,
                          "supported_clocks_mhz": list(gpu.supported_sm_clocks_mhz()),
                          "min_clock_mhz": low, "max_clock_mhz": high, "controllable": not reason,
@@ -434,6 +435,7 @@ class Daemon:
             if reason:
                 raise _refused(reason)
             self._check_lease(session, uuid)
+        steps = {uuid: min(clock_mhz, self._capped(grant, uuid)) for uuid, clock_mhz in steps.items()}  # a ceiling set since
         tickets = []
         for uuid, clock_mhz in steps.items():
             clocks, cursor = session.schedules[uuid]
@@ -492,6 +494,20 @@ class Daemon:
             session.grant = _with_job_grant(session.grant, session.job)
         return session.grant
 
+    def _bounds_for(self, grant: Grant, uuid: str) -> tuple[int, int]:
+        """The policy bounds of GPU `uuid`, lowered at the top to the caller's clock ceiling."""
+        low, high = self.bounds[uuid]
+        return low, min(high, self._capped(grant, uuid))
+
+    def _capped(self, grant: Grant, uuid: str) -> int:
+        """The highest supported clock within the caller's ceiling (the top bound without one; the
+        lowest bound when the ceiling is below it: the ceiling wins as far as the GPU allows)."""
+        low, high = self.bounds[uuid]
+        if grant.ceiling_mhz is None:
+            return high
+        allowed = [c for c in self.supported_mhz[uuid] if low <= c <= min(high, grant.ceiling_mhz)]
+        return max(allowed) if allowed else low
+
     def _control_refusal(self, grant: Grant, uuid: str) -> str:
         reason = grant.reason(uuid)
         if not reason and self.gpus[uuid].is_mig_enabled():
@@ -502,9 +518,12 @@ class Daemon:
         reason = self._control_refusal(grant, uuid)
         if reason:
             raise _refused(reason)
-        low, high = self.bounds[uuid]
+        low, high = self._bounds_for(grant, uuid)
         supported = self.supported_mhz[uuid]
         for clock_mhz in sorted(clocks_mhz):
+            if clock_mhz > high and high < self.bounds[uuid][1]:  # below the policy's top: the ceiling decides
+                raise _refused(f"clock_mhz: {clock_mhz} MHz is above the clock ceiling {high} MHz the operator set for "
+                               f"{grant.owner.describe()} on GPU {uuid} (power budget)")
             if not low <= clock_mhz <= high:
                 raise _refused(f"clock_mhz: {clock_mhz} MHz is outside the policy bounds {low}–{high} MHz of GPU {uuid} ({self.gpus[uuid].name})")
             if clock_mhz not in supported:
@@ -527,6 +546,7 @@ class Daemon:
                 raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot journal the lease (failing closed): {error}", "unavailable") from None
             self.leases[uuid] = Lease(session.id, grant.owner)
             session.leases.add(uuid)
+        session.clocks[uuid] = clock_mhz
         return worker.want(clock_mhz, stale_after_s=stale_after_s)
 
     def _release(self, session: Session, uuids: Any, why: str) -> list[int]:
@@ -538,6 +558,7 @@ class Daemon:
             del self.leases[uuid]
             session.leases.discard(uuid)
             session.schedules.pop(uuid, None)
+            session.clocks.pop(uuid, None)
             log.info("GPU %s back to default clocks: %s; owner was %s", uuid, why, lease.owner.describe())
             tickets.append(self.workers[uuid].want(None))
         return tickets
@@ -594,6 +615,16 @@ class Daemon:
             if lost:
                 self._release(session, lost, f"no longer allowed: {fresh.reason(lost[0])}")
             session.grant = _with_job_grant(fresh, session.job)
+            self._enforce_ceiling(session, session.grant)
+
+    def _enforce_ceiling(self, session: Session, grant: Grant) -> None:
+        """Lower what a session's leases hold to a ceiling the operator lowered since they were taken."""
+        for uuid in list(session.leases):
+            capped = self._capped(grant, uuid)
+            if session.clocks.get(uuid, 0) > capped:
+                log.info("GPU %s: %s MHz → %s MHz, the clock ceiling of %s", uuid, session.clocks[uuid], capped,
+                         grant.owner.describe())
+                self._set_clock(session, grant, uuid, capped)
 
     def _close(self, session: Session, why: str) -> None:
         """End a session from outside its reader: its leases now, its connection with one note."""
@@ -606,7 +637,7 @@ class Daemon:
 
 
 def _with_job_grant(grant: Grant, job: str) -> Grant:
-    return Grant(_with_job(grant.owner, job), grant.refusals, grant.refused, grant.reviewed_at)
+    return replace(grant, owner=_with_job(grant.owner, job))
 
 
 def _with_job(owner: Owner, job: str) -> Owner:
