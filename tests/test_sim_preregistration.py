@@ -119,3 +119,27 @@ def test_the_fit_record_carries_the_files_history(tmp_path, capsys) -> None:
     assert main(["sim", "calibrate", "--targets", str(path), "--fit", "gemm_efficiency", "--max-evaluations", "3",
                  "--out", str(out)]) == 0
     assert json.loads(out.read_text())["fit"]["history"]["label_changes"][0]["row"] == "b"
+
+
+def test_paper_table_prints_held_out_errors_with_the_relabelled_rows_marked(capsys) -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from kareus.sim import paramsfile
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "paper_table.py"
+    spec = importlib.util.spec_from_file_location("paper_table", script)
+    paper_table = importlib.util.module_from_spec(spec)
+    sys.modules["paper_table"] = paper_table  # its dataclasses look their module up
+    spec.loader.exec_module(paper_table)
+    record = paper_table.calibration_errors(paramsfile.load_or_default(None), SHIPPED)
+    shipped_fit = paramsfile.load(paramsfile.SHIPPED_PATH).fit
+    # The errors as they come out of the shipped parameters: the shipped fit's own record.
+    assert record["holdout_absolute_rms"] == pytest.approx(shipped_fit["holdout_absolute_rms"], rel=0.05)
+    paper_table.print_calibration(record)
+    out = capsys.readouterr().out
+    held_out = out.split("Held-out set (never fitted)")[1]
+    assert "* single layer: best vs sequential, energy, 1410 MHz" in held_out
+    assert "  Perseus time 1350/1410 MHz" in held_out and "holdout_relative_rms" in out
+    assert "model choice informed by results (2026-12-01): host_launch_s" in out
