@@ -120,3 +120,14 @@ def test_cuda_markers_are_blocking_events_and_both_threads_select_the_ranks_gpu(
     assert anchor.event.synchronized_on == ["kareus-clock-dispatch"]
     assert end.event.synchronized_on == ["kareus-clock-watch"]
     assert [r.clock_mhz for r in clock.log] == [1200]
+
+
+def test_two_dispatchers_keep_the_interval_lowered_until_the_last_closes():
+    before = sys.getswitchinterval()
+    first, second = (ClockDispatcher(RecordingClockClient(), Source()) for _ in range(2))
+    for dispatcher in (first, second):
+        dispatcher.submit("F0", 1200, anchor=CountingMarker(reached=True))
+    first.close()
+    assert sys.getswitchinterval() == clocking.SWITCH_INTERVAL_S  # the second still runs
+    second.close()
+    assert sys.getswitchinterval() == before

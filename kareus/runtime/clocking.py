@@ -199,6 +199,34 @@ class _Watcher:
             reached.set()
 
 
+class _SwitchInterval:
+    """The interpreter's GIL switch interval (one per process), lowered while any dispatcher's
+    helper runs and given back when the last one closes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._saved_s: float | None = None
+
+    def lower(self, interval_s: float) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._saved_s = sys.getswitchinterval()
+            self._holders += 1
+            if interval_s < sys.getswitchinterval():
+                sys.setswitchinterval(interval_s)
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._saved_s is not None:
+                sys.setswitchinterval(self._saved_s)
+                self._saved_s = None
+
+
+_SWITCH = _SwitchInterval()
+
+
 class ClockDispatcher:
     """Sends clock requests to `clock` when the device reaches them, in submission order.
 
@@ -217,7 +245,7 @@ class ClockDispatcher:
         self._thread: threading.Thread | None = None
         self._watcher: _Watcher | None = None
         self._switch_interval_s = switch_interval_s
-        self._saved_switch_s: float | None = None  # the interpreter's, while ours is in force
+        self._lowered = False  # this dispatcher holds the interpreter's switch interval lowered
         self._wake_delay_s = 0.0  # running mean of how late timed wake-ups land
 
     def submit(self, label: str, clock_mhz: int, *, anchor: Marker, end: Marker | None = None,
@@ -258,17 +286,16 @@ class ClockDispatcher:
         self._restore_switch_interval()
 
     def _start(self) -> None:
-        if self._switch_interval_s is not None and self._switch_interval_s < sys.getswitchinterval():
-            self._saved_switch_s = sys.getswitchinterval()
-            sys.setswitchinterval(self._switch_interval_s)
+        if self._switch_interval_s is not None:
+            _SWITCH.lower(self._switch_interval_s)
+            self._lowered = True
         self._thread = threading.Thread(target=self._run, name="kareus-clock-dispatch", daemon=True)
         self._thread.start()
 
     def _restore_switch_interval(self) -> None:
-        # Only if nobody changed it meanwhile (another dispatcher still running keeps its own).
-        if self._saved_switch_s is not None and sys.getswitchinterval() == self._switch_interval_s:
-            sys.setswitchinterval(self._saved_switch_s)
-        self._saved_switch_s = None
+        if self._lowered:
+            _SWITCH.release()
+            self._lowered = False
 
     # -- the helper thread --------------------------------------------------------------------
     def _run(self) -> None:
