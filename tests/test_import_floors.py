@@ -21,7 +21,7 @@ BASE = {"kareus", "kareus.errors", "kareus.metric_names"}  # version, errors, me
 CORE = BASE | {"kareus.search", "kareus.workload", "kareus.spec", "kareus.policy", "kareus.sim", "kareus.gpu",
                "kareus.job", "kareus.objective", "kareus.plan", "kareus.profiler", "kareus.optimizer",
                "kareus.report", "kareus.daemon_client", "kareus.runtime", "kareus.launcher", "kareus.incluster",
-               "kareus.straggler", "kareus.power_budget"}
+               "kareus.straggler", "kareus.power_budget", "kareus.compressed", "kareus.override_policy"}
 
 # unit → the units it may import (besides itself). A unit is `kareus.<top-level module or package>`,
 # or one of the shells' packages.
@@ -34,12 +34,14 @@ ALLOWED: dict[str, set[str]] = {
     "kareus.search": {"kareus.errors"},
     "kareus.workload": {"kareus.errors"},
     "kareus.objective": {"kareus.errors"},
+    "kareus.compressed": {"kareus.errors"},
+    "kareus.override_policy": {"kareus.errors"},
     "kareus.spec": {"kareus.errors", "kareus.workload"},
-    "kareus.policy": {"kareus.errors", "kareus.spec"},
+    "kareus.policy": {"kareus.errors", "kareus.spec", "kareus.override_policy"},
     "kareus.sim": {"kareus.errors", "kareus.workload"},
     "kareus.gpu": {"kareus.errors", "kareus.sim"},
     "kareus.job": {"kareus.errors", "kareus.workload"},
-    "kareus.plan": {"kareus.errors", "kareus.workload", "kareus.job", "kareus.objective"},
+    "kareus.plan": {"kareus.errors", "kareus.workload", "kareus.job", "kareus.objective", "kareus.compressed"},
     "kareus.profiler": BASE | {"kareus.workload", "kareus.spec", "kareus.sim", "kareus.gpu", "kareus.job",
                                "kareus.search", "kareus.daemon_client"},
     "kareus.optimizer": BASE | {"kareus.workload", "kareus.spec", "kareus.sim", "kareus.job", "kareus.objective",

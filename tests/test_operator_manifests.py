@@ -55,8 +55,13 @@ def test_profile_job_requests_the_gpus_and_publishes_an_unowned_cache_entry():
     child = mf.profile_job(job, spec_of(job), Settings(), "tiny-key-1")
     assert (child["apiVersion"], child["kind"], child["metadata"]["name"]) == ("batch/v1", "Job", "quickstart-profile")
     command = container(child)["command"]
-    assert command[:4] == ["kareus-operator", "publish", "--configmap", "kareus-profile-tiny-key-1"]
-    assert "--owner" not in command  # the cache outlives the job
+    # Into the job's own ConfigMap; the operator copies it into the shared cache, which outlives the job
+    # and which no worker writes (issue 29).
+    assert command[:4] == ["kareus-operator", "publish", "--configmap", "quickstart-profile"]
+    assert "--owner" not in command
+    cache = mf.profile_cache("team-a", "tiny-key-1", "{}", "1234-abcd")["metadata"]
+    assert cache["name"] == "kareus-profile-tiny-key-1" and "ownerReferences" not in cache
+    assert cache["labels"] == {"kareus.dev/profile-key": "tiny-key-1", "kareus.dev/job-uid": "1234-abcd"}
     assert command[command.index("--") + 1:] == ["kareus", "profile", "/etc/kareus/job/job.yaml", "--backend",
                                                  "auto", "--out", "/var/kareus/out/profile.json", "--require-gpu"]
     pod = child["spec"]["template"]["spec"]
@@ -90,12 +95,15 @@ def test_optimize_job_mounts_the_profile_and_owns_the_gzipped_plan():
     job = job_body()
     child = mf.optimize_job(job, spec_of(job), Settings(), "tiny-key-1")
     command = container(child)["command"]
-    assert command[command.index("--owner") + 1] == "kareus.dev/v1alpha1/KareusJob/quickstart/1234-abcd"
+    assert "--owner" not in command  # the operator creates the plan ConfigMap, owned (a worker may not set owners)
+    plan_cm = mf.job_configmap(job, "quickstart-plan", "optimize")["metadata"]
+    assert plan_cm["ownerReferences"][0]["uid"] == "1234-abcd" and plan_cm["labels"]["kareus.dev/job-uid"] == "1234-abcd"
     assert command[command.index("--gzip-file") + 1] == "plan.json.gz=/var/kareus/out/plan.json"
     volumes = {v["name"]: v for v in child["spec"]["template"]["spec"]["volumes"]}
     assert volumes["profile"]["configMap"]["name"] == "kareus-profile-tiny-key-1"
     assert "/etc/kareus/profile/profile.json" in command
-    assert "resources" not in container(child)  # a CPU pod: no GPU, no GPU toleration
+    resources = container(child)["resources"]  # a CPU pod: no GPU, no GPU toleration; requests and a memory limit
+    assert "nvidia.com/gpu" not in resources["limits"] and set(resources["requests"]) == {"cpu", "memory"}
     assert "tolerations" not in child["spec"]["template"]["spec"]
 
 

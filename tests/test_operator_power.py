@@ -80,13 +80,21 @@ def powers(plan: Plan) -> list[float]:
     return [r.energy_j / r.time_s for r in plan.frontier.rows]
 
 
+def plan_configmap(name: str, plan: Plan) -> dict:
+    """A job's plan ConfigMap as the operator creates it (manifests.job_configmap: its ownerReference
+    and job-uid label) and the optimize pod fills it."""
+    return {"metadata": {"name": f"{name}-plan", "namespace": "team",
+                         "labels": {"kareus.dev/job-name": name, "kareus.dev/job-uid": f"uid-{name}"},
+                         "ownerReferences": [{"uid": f"uid-{name}", "controller": True}]},
+            **plan_data(plan.to_json())}
+
+
 def setup(plan: Plan, budget_w: float, jobs: list[dict]) -> tuple[MemoryKube, pw.PowerAllocator, list]:
     kube = MemoryKube()
     for job in jobs:
         name = job["metadata"]["name"]
         kube.put(f"{JOBS}/{name}", job)
-        kube.put(f"/api/v1/namespaces/team/configmaps/{name}-plan",
-                 {"metadata": {"name": f"{name}-plan", "namespace": "team"}, **plan_data(plan.to_json())})
+        kube.put(f"/api/v1/namespaces/team/configmaps/{name}-plan", plan_configmap(name, plan))
     budget = PowerBudget(cluster_w=budget_w)
 
     async def policy():
@@ -173,8 +181,7 @@ async def test_three_jobs_a_deadline_a_held_job_and_a_finished_one(plan):
 
     # A new job the budget cannot fit is held: no training Job, a False condition, a Warning.
     kube.put(f"{JOBS}/new", manifest("new", created="2025-01-03T00:00:00Z", started=False, phase_conditions=("Profiled",)))
-    kube.put("/api/v1/namespaces/team/configmaps/new-plan",
-             {"metadata": {"name": "new-plan", "namespace": "team"}, **plan_data(plan.to_json())})
+    kube.put("/api/v1/namespaces/team/configmaps/new-plan", plan_configmap("new", plan))
     p, held = await reconcile(kube, allocator, "new")
     assert held and p.status["power"]["held"] and p.status["power"]["allottedWatts"] == 0.0
     assert {c["type"]: (c["status"], c["reason"]) for c in p.conditions}["PowerAllotted"] == ("False", "Held")

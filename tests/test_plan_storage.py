@@ -22,20 +22,20 @@ CONFIGMAP_LIMIT_BYTES = 1 << 20  # the API server's limit on a ConfigMap's data
 STAGES, MICROBATCHES, ROWS = 16, 256, 120
 
 
-def big_plan() -> Plan:
-    options = stage_options(pp=STAGES)
+def big_plan(stages: int = STAGES, microbatches: int = MICROBATCHES) -> Plan:
+    options = stage_options(pp=stages)
     rng = random.Random(7)
-    choice = [[[0] * MICROBATCHES, [0] * MICROBATCHES] for _ in range(STAGES)]
+    choice = [[[0] * microbatches, [0] * microbatches] for _ in range(stages)]
     rows = []
     for step in range(ROWS):
         for _ in range(24):  # one step slows a few instructions by one option
-            stage, kind, microbatch = rng.randrange(STAGES), rng.randrange(2), rng.randrange(MICROBATCHES)
+            stage, kind, microbatch = rng.randrange(stages), rng.randrange(2), rng.randrange(microbatches)
             table = options[stage].forward if kind == 0 else options[stage].backward
             choice[stage][kind][microbatch] = min(choice[stage][kind][microbatch] + 1, len(table) - 1)
         rows.append(FrontierRow(time_s=10.0 + step * 0.05, energy_j=1e6 - step * 900.0,
                                 choice=tuple((tuple(f), tuple(b)) for f, b in choice)))
     frontier = FrontierTable(options=tuple(options), rows=tuple(rows))
-    return plan_from_frontier(plan_job(microbatches=MICROBATCHES, pp=STAGES), frontier, {"maxThroughput": {}},
+    return plan_from_frontier(plan_job(microbatches=microbatches, pp=stages), frontier, {"maxThroughput": {}},
                               provenance=Provenance(profile_key="big"))
 
 

@@ -152,7 +152,8 @@ def test_a_worker_writes_only_its_own_jobs_configmaps(dev_cluster, kube_client, 
     unbound = token_client(dev_cluster, core, ns, None)
 
     a_train.patch_namespaced_config_map("a-plan", ns, {"data": {"v": "1"}})  # its own job's: fine
-    b_profile.patch_namespaced_config_map("kareus-profile-k", ns, {"data": {"v": "2"}})  # profiling writes caches
+    b_profile.create_namespaced_config_map(ns, {"metadata": {  # a profiling pod publishes its measurement
+        "name": "b-profile", "labels": {"kareus.dev/job-name": "b"}}, "data": {"profile.json": "{}"}})
     message = refused(lambda: a_train.patch_namespaced_config_map("b-plan", ns, {"data": {"v": "x"}}))
     assert "may write only its own job's ConfigMaps" in message
     refused(lambda: a_train.patch_namespaced_config_map("kareus-profile-k", ns, {"data": {"v": "x"}}))
@@ -162,4 +163,19 @@ def test_a_worker_writes_only_its_own_jobs_configmaps(dev_cluster, kube_client, 
     refused(lambda: a_train.create_namespaced_config_map(ns, {"metadata": {"name": "loose"}, "data": {}}))
     assert "bound to its pod" in refused(lambda: unbound.patch_namespaced_config_map("a-plan", ns, {"data": {"v": "y"}}))
     assert core.read_namespaced_config_map("b-plan", ns).data == {"v": "0"}
-    assert core.read_namespaced_config_map("kareus-profile-k", ns).data == {"v": "2"}
+
+    # Issue 29: what the operator trusts is the operator's. A worker's ConfigMap is named for its own
+    # job and carries no ownerReferences or job-uid label of the worker's making; no worker writes a
+    # profile cache (the operator copies <job>-profile into it), not even a profiling pod.
+    assert "named <job>-plan or <job>-progress" in refused(lambda: a_train.create_namespaced_config_map(
+        ns, {"metadata": {"name": "b-progress", "labels": {"kareus.dev/job-name": "a"}}, "data": {}}))
+    owner = {"apiVersion": "kareus.dev/v1alpha1", "kind": "KareusJob", "name": "b", "uid": "uid-b", "controller": True}
+    assert "ownerReferences" in refused(lambda: a_train.create_namespaced_config_map(ns, {"metadata": {
+        "name": "a-progress", "labels": {"kareus.dev/job-name": "a"}, "ownerReferences": [owner]}, "data": {}}))
+    assert "job-uid label is the operator's" in refused(lambda: a_train.patch_namespaced_config_map(
+        "a-plan", ns, {"metadata": {"labels": {"kareus.dev/job-uid": "uid-a"}}}))
+    assert "no profile cache" in refused(lambda: b_profile.patch_namespaced_config_map(
+        "kareus-profile-k", ns, {"data": {"v": "forged"}}))
+    refused(lambda: b_profile.create_namespaced_config_map(
+        ns, {"metadata": {"name": "kareus-profile-s2", "labels": {"kareus.dev/profile-key": "s2"}}, "data": {}}))
+    assert core.read_namespaced_config_map("kareus-profile-k", ns).data == {"v": "0"}

@@ -234,7 +234,8 @@ class DevCluster(Started):
                                   "extra": list(self.operator_args if args is None else args)}},
             "workers": {"namespaces": list(self.worker_namespaces if worker_namespaces is None else worker_namespaces),
                         # What a user with small nodes sets: many jobs' pods share this machine's memory.
-                        "gpuPods": {"shmSize": "1Gi", "memoryRequest": "256Mi", "memoryLimit": "6Gi"}},
+                        "gpuPods": {"shmSize": "1Gi", "memoryRequest": "256Mi", "memoryLimit": "6Gi"},
+                        "optimizePods": {"cpuRequest": "50m", "memoryRequest": "128Mi", "memoryLimit": "4Gi"}},
             # The operator's test fakes share a host directory with the tests through a hostPath override,
             # which the operator refuses unless the cluster policy lists the volume type.
             "policy": {"podTemplateOverrides": {"volumeTypes": [*RESTRICTED_VOLUME_TYPES, "hostPath"]}},

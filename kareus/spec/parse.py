@@ -52,6 +52,11 @@ from kareus.spec.types import (
 )
 from kareus.workload.models import PRESETS
 
+# Objects and lists in one manifest, root included: the CRD's deepest field (a projected volume's
+# clusterTrustBundle label selector values) is 15 deep; deeper input is refused before anything
+# recurses into it (PyYAML, the CRD checks, the operator's YAML dump), so it never reaches a
+# RecursionError. tests/test_crd_schema.py holds the CRD to it.
+MAX_NESTING_DEPTH = 24
 MAX_NAME_LENGTH = 40  # children get suffixes such as `-optimize` and pod hashes; 63 is the label limit
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # also the name part of a qualified name
@@ -74,6 +79,11 @@ MAX_SEQUENCE_LENGTH = 1 << 20
 MAX_DEGREE = 4096
 MAX_MICRO_BATCH_SIZE = 4096
 MAX_NUM_MICRO_BATCHES = 65536
+# What one plan stores (2 instructions per stage and microbatch, each frontier row's choices) and the
+# optimizer schedules: PP16 × 256 is a 3.7 MB plan document, this bound ~7 MB, under
+# kareus.compressed.MAX_PLAN_BYTES, the cap on reading one back.
+MAX_STAGE_MICROBATCHES = 8192
+MAX_MICROBATCH_TOKENS = 1 << 20  # sequenceLength × microBatchSize: one microbatch's activations
 MAX_STEPS = 10**9
 MAX_GPUS_PER_NODE = 64
 MAX_NODES = 10000
@@ -104,6 +114,9 @@ def load_job(path: str | Path) -> KareusJob:
         documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
     except yaml.YAMLError as error:
         raise SpecError([FieldError(str(path), f"not valid YAML: {_yaml_problem(error)}")]) from None
+    except RecursionError:  # PyYAML's composer recurses once per level
+        raise SpecError([FieldError(str(path), f"nests objects and lists too deeply to read (a KareusJob nests at "
+                                               f"most {MAX_NESTING_DEPTH} deep)")]) from None
     if len(documents) != 1:
         raise SpecError([FieldError(str(path), f"must hold exactly one YAML document, found {len(documents)}")])
     return parse_job(documents[0])
@@ -117,11 +130,33 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 
 def parse_job(manifest: Any) -> KareusJob:
     """Validate a whole manifest (apiVersion, kind, metadata, spec); `status` is ignored."""
+    deep = too_deep(manifest, MAX_NESTING_DEPTH)
+    if deep is not None:
+        raise SpecError([FieldError(deep, f"nests objects and lists more than {MAX_NESTING_DEPTH} deep "
+                                          f"(no KareusJob field is that deep)")])
     errors: list[FieldError] = []
     job = _read_job(manifest, errors)
     if errors or job is None:
         raise SpecError(errors)
     return job
+
+
+def too_deep(document: Any, limit: int) -> str | None:
+    """The path of the first value nested more than `limit` objects/lists deep, or None; iterative,
+    so any depth is measured without recursing."""
+    stack: list[tuple[Any, int, str]] = [(document, 0, "")]
+    while stack:
+        value, depth, at = stack.pop()
+        if isinstance(value, Mapping):
+            children = [(v, f"{at}.{k}" if at else str(k)) for k, v in value.items()]
+        elif isinstance(value, list):
+            children = [(v, f"{at}[{i}]") for i, v in enumerate(value)]
+        else:
+            continue
+        if depth + 1 > limit:
+            return at or "(document)"
+        stack.extend((v, depth + 1, path) for v, path in reversed(children))
+    return None
 
 
 def parse_spec(spec: Any, path: str = "spec") -> JobSpec:
@@ -502,6 +537,14 @@ def cross_field_errors(spec: JobSpec, path: str = "spec") -> list[FieldError]:
     if par.world_size != spec.num_gpus:
         errors.append(FieldError(f"{path}.parallelism", f"tensor × pipeline × context × data = {par.world_size} "
                                  f"must equal training.nodes × training.gpusPerNode = {spec.num_gpus}"))
+    if par.pipeline * par.num_micro_batches > MAX_STAGE_MICROBATCHES:
+        errors.append(FieldError(f"{path}.parallelism.numMicroBatches", f"pipeline × numMicroBatches must be at most "
+                                 f"{MAX_STAGE_MICROBATCHES} (the instructions one plan stores and the optimizer "
+                                 f"schedules), got {par.pipeline} × {par.num_micro_batches}"))
+    if spec.sequence_length * par.micro_batch_size > MAX_MICROBATCH_TOKENS:
+        errors.append(FieldError(f"{path}.parallelism.microBatchSize", f"sequenceLength × microBatchSize must be at "
+                                 f"most {MAX_MICROBATCH_TOKENS} tokens per microbatch, got {spec.sequence_length} × "
+                                 f"{par.micro_batch_size}"))
     if spec.training.cpu_proxy is not None:
         errors += _proxy_errors(spec, f"{path}.training.cpuProxy")
     errors += _storage_errors(spec.training, f"{path}.training")

@@ -32,10 +32,12 @@ from typing import Any
 import aiohttp
 import kopf
 
+from kareus_operator import conditions as cond
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
 from kareus_operator.power import PowerAllocator, signature
 from kareus_operator.reconcile import Reconciler
+from kareus_operator.refusals import backoff_s
 from kareus_operator.settings import LABEL_JOB, PREFIX, Settings
 
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
@@ -66,6 +68,7 @@ class Controller:
         self._wakeups: dict[tuple[str, str], asyncio.TimerHandle] = {}
         # resourceVersion of each job's last status write: its own watch event needs no pass
         self._written: dict[tuple[str, str], str] = {}
+        self._stalls: dict[tuple[str, str], int] = {}  # failed reconciles in a row (the backoff's exponent)
 
     async def reconcile(self, namespace: str, name: str, logger: logging.Logger | Any = None) -> None:
         """Reconcile one job; requests arriving while it runs collapse into one more pass.
@@ -89,6 +92,11 @@ class Controller:
                         (logger or log).warning("reconcile of %s/%s failed, retrying: %r", namespace, name, error)
                         self._wake_later(key, _RETRY_S)
                         return
+                    except Exception as error:  # one job's fault must not reach the others
+                        (logger or log).exception("reconcile of %s/%s raised; the job is marked Stalled", namespace, name)
+                        await self._report_stalled(namespace, name, error)
+                        return
+                self._stalls.pop(key, None)
                 if key not in self._dirty:
                     return
         finally:
@@ -122,6 +130,32 @@ class Controller:
             await self._post_event(job, type_, reason, message)
         if outcome.requeue_s is not None:
             self._wake_later(key, outcome.requeue_s)
+
+    async def _report_stalled(self, namespace: str, name: str, error: BaseException) -> None:
+        """A reconcile that raised (a bug, or a job built to break it): the job says so in a
+        `Stalled` condition and a Warning Event, and is tried again after a backoff, while every
+        other job goes on. Writing that needs the job readable; when even that fails, the log is
+        all there is, and the retry still comes."""
+        key = (namespace, name)
+        attempt = self._stalls.get(key, 0) + 1
+        self._stalls[key] = attempt
+        self._wake_later(key, backoff_s(attempt, self.settings.backoff_base_s))
+        message = f"the operator could not reconcile this job: {type(error).__name__}: {error}"[:1024]
+        try:
+            job = await self.kube.get(path(API_VERSION, PLURAL, namespace, name))
+            if job is None:
+                return
+            status = job.get("status") or {}
+            old = cond.find(status.get("conditions") or [], "Stalled")
+            conditions = cond.merge(status.get("conditions") or [], [cond.Want("Stalled", True, "ReconcileError", message)],
+                                    now=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                    generation=job["metadata"].get("generation", 1))
+            await self.kube.merge_patch(path(API_VERSION, PLURAL, namespace, name, "status"),
+                                        {"status": {"conditions": conditions}})
+            if old is None or old.get("status") != "True" or old.get("message") != message:
+                await self._post_event(job, "Warning", "ReconcileError", message)
+        except Exception:  # the job may be what cannot be read
+            log.exception("%s/%s: could not record the failed reconcile on the job", namespace, name)
 
     async def _post_event(self, job: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event on the job, written directly: reconciles also run outside kopf's handler
@@ -194,7 +228,7 @@ class Controller:
             for namespace in namespaces or [None]:
                 try:
                     jobs = await self.kube.list(path(API_VERSION, PLURAL, namespace))
-                except (ApiError, aiohttp.ClientError, TimeoutError) as error:
+                except Exception as error:  # the resync outlives any list it cannot read
                     log.warning("resync: cannot list KareusJobs: %r", error)
                     continue
                 for job in jobs:

@@ -106,6 +106,21 @@ def profile_configmap_name(key: str) -> str:
     return f"kareus-profile-{label_value(key)}"
 
 
+def measured_profile_configmap_name(job_name: str) -> str:
+    """Where a job's profiling pod publishes what it measured; the operator copies it into the
+    shared cache (`profile_cache`), which no worker writes."""
+    return f"{job_name}-profile"
+
+
+def profile_cache(namespace: str, key: str, profile_text: str, job_uid: str) -> dict[str, Any]:
+    """The shared profile cache of `key`, as the operator writes it from a job's measured profile:
+    unowned (it outlives the job), sealed with the measuring job's UID."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": profile_configmap_name(key), "namespace": namespace,
+                         "labels": {LABEL_PROFILE_KEY: label_value(key), LABEL_JOB_UID: job_uid}},
+            "data": {PROFILE_FILE: profile_text}}
+
+
 def label_value(text: str) -> str:
     """A label-safe value (≤ 63 chars of [a-z0-9.-_]); long values keep a hash suffix to stay unique."""
     safe = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-._")
@@ -176,6 +191,13 @@ def _metadata(job: Mapping[str, Any], name: str, role: str) -> dict[str, Any]:
             "ownerReferences": [owner_reference(job)]}
 
 
+def job_configmap(job: Mapping[str, Any], name: str, role: str) -> dict[str, Any]:
+    """An empty ConfigMap a worker fills (the plan, the progress): created by the operator, so its
+    ownerReference and `job-uid` label are the operator's — a worker may set neither (the chart's
+    admission policy), which is what lets the operator trust what it reads back (issue 29)."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(job, name, role)}
+
+
 def spec_configmap(job: Mapping[str, Any]) -> dict[str, Any]:
     """The job manifest as the pods read it (`kareus profile|optimize|train JOB.yaml`)."""
     meta = job["metadata"]
@@ -193,11 +215,6 @@ def _expand(template: tuple[str, ...], values: Mapping[str, str]) -> list[str]:
     return [_PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), part) for part in template]
 
 
-def _owner_arg(job: Mapping[str, Any]) -> str:
-    meta = job["metadata"]
-    return f"{API_VERSION}/{KIND}/{meta['name']}/{meta['uid']}"
-
-
 # ---------------------------------------------------------------------- pod templates
 
 Volume = tuple[str, dict[str, Any], str]  # (name, volume source, mount path)
@@ -212,7 +229,8 @@ _RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"dr
 
 def _pod_template(job: Mapping[str, Any], spec: JobSpec, role: str, image: str, command: list[str],
                   volumes: Sequence[Volume], settings: Settings, *, gpus: int = 0,
-                  env: Sequence[Mapping[str, Any]] = (), pull_policy: str = "") -> dict[str, Any]:
+                  env: Sequence[Mapping[str, Any]] = (), pull_policy: str = "",
+                  resources: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The pod of one phase; with `gpus`, a GPU pod: it requests them, tolerates the GPU taint,
     gets a memory-backed /dev/shm for NCCL and a token for the node daemon. Every pod carries the
     settings' image pull secrets; `pull_policy` (empty: Kubernetes' default) is its image's."""
@@ -229,6 +247,8 @@ def _pod_template(job: Mapping[str, Any], spec: JobSpec, role: str, image: str, 
                                  "terminationMessagePolicy": "FallbackToLogsOnError"}
     if pull_policy:
         container["imagePullPolicy"] = pull_policy
+    if resources is not None:
+        container["resources"] = copy.deepcopy(dict(resources))
     pod_spec: dict[str, Any] = {"restartPolicy": "Never", "serviceAccountName": settings.service_account,
                                 "securityContext": copy.deepcopy(_RESTRICTED_POD), "containers": [container]}
     if settings.image_pull_secrets:
@@ -316,8 +336,10 @@ def profile_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, profi
                                                "out": MOUNT_OUT, "backend": spec.profiling.backend})
     if spec.profiling.backend == "auto":
         phase.append("--require-gpu")  # in a pod, `auto` never falls back to the simulator
-    publish = [*settings.publish_command, "--configmap", profile_configmap_name(profile_key),
-               "--label", f"{LABEL_PROFILE_KEY}={label_value(profile_key)}", "--file", f"{PROFILE_FILE}={out}", "--"]
+    # Into the job's own ConfigMap (created by the operator); the operator fills the shared cache.
+    name = job["metadata"]["name"]
+    publish = [*settings.publish_command, "--configmap", measured_profile_configmap_name(name),
+               "--label", f"{LABEL_JOB}={name}", "--file", f"{PROFILE_FILE}={out}", "--"]
     template = _pod_template(job, spec, "profile", settings.image, publish + phase, [], settings,
                              gpus=spec.training.gpus_per_node, pull_policy=settings.image_pull_policy)
     return _batch_job(job, profile_job_name(job["metadata"]["name"]), "profile", template,
@@ -330,11 +352,15 @@ def optimize_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, prof
     out = f"{MOUNT_OUT}/{PLAN_FILE}"
     phase = _expand(settings.optimize_command, {"job": f"{MOUNT_JOB}/{JOB_FILE}", "out": MOUNT_OUT,
                                                 "profile": f"{MOUNT_PROFILE}/{PROFILE_FILE}", "plan": out})
-    publish = [*settings.publish_command, "--configmap", plan_configmap_name(name), "--owner", _owner_arg(job),
+    # No --owner: the operator created the ConfigMap with its ownerReference (job_configmap).
+    publish = [*settings.publish_command, "--configmap", plan_configmap_name(name),
                "--label", f"{LABEL_JOB}={name}", "--gzip-file", f"{PLAN_FILE_GZ}={out}", "--"]
     profile_volume = ("profile", {"configMap": {"name": profile_configmap_name(profile_key)}}, MOUNT_PROFILE)
+    # Requests and a memory limit by default (a job's overrides may change them per resource).
+    resources = {"requests": {"cpu": settings.optimize_pod_cpu_request, "memory": settings.optimize_pod_memory_request},
+                 "limits": {"memory": settings.optimize_pod_memory_limit}}
     template = _pod_template(job, spec, "optimize", settings.image, publish + phase, [profile_volume], settings,
-                             pull_policy=settings.image_pull_policy)
+                             pull_policy=settings.image_pull_policy, resources=resources)
     return _batch_job(job, optimize_job_name(name), "optimize", template, backoff_limit=spec.backoff_limit,
                       settings=settings, suspend=suspend)
 
@@ -392,7 +418,7 @@ def train_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, *, susp
     command = list(training.command) or list(settings.train_command)
     command += _expand(settings.train_args, values) + storage_args + list(training.args)
     # Every rank runs the publisher; only node rank 0 follows train.jsonl (the others just run).
-    command = [*settings.publish_command, "--configmap", progress_configmap_name(name), "--owner", _owner_arg(job),
+    command = [*settings.publish_command, "--configmap", progress_configmap_name(name),
                "--label", f"{LABEL_JOB}={name}", "--follow", f"{MOUNT_OUT}/train.jsonl", "--follow-if-rank0",
                "--interval-s", str(settings.progress_interval_s), *ledger_args, "--", *command]
     master = f"{train_hostname(name, 0)}.{train_service_name(name)}.{namespace}.svc"

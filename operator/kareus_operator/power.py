@@ -240,18 +240,23 @@ class PowerAllocator:
         plans = {}
         for job in jobs:
             if eligible(job):
-                plan = await self.plan_of(job_key(job))
+                plan = await self.plan_of(job_key(job), uid=job["metadata"]["uid"])
                 if plan is not None:
                     plans[job_key(job)] = plan
         return plans
 
-    async def plan_of(self, key: Key, cm: Mapping[str, Any] | None = None) -> Plan | None:
-        """The job's plan from its ConfigMap (parsed once per resourceVersion); None without one."""
-        from kareus_operator.reconcile import plan_text
+    async def plan_of(self, key: Key, cm: Mapping[str, Any] | None = None, *, uid: str | None = None) -> Plan | None:
+        """The job's plan from its ConfigMap (parsed once per resourceVersion); None without one, or
+        when `uid` is given and the ConfigMap is not the one the operator made for that job."""
+        from kareus_operator.reconcile import plan_text, trusted_configmap
 
         namespace, name = key
         cm = cm or await self.kube.get(path("v1", "configmaps", namespace, mf.plan_configmap_name(name)))
         if cm is None:
+            return None
+        if uid is not None and not trusted_configmap(cm, uid):
+            log.warning("%s/%s: plan ConfigMap %s is not this job's (owner or job-uid label); not allocated",
+                        namespace, name, cm["metadata"].get("name"))
             return None
         version = str(cm["metadata"].get("resourceVersion", ""))
         cached = self._plans.get(key)
@@ -361,7 +366,7 @@ class PowerAllocator:
 
         cm_name = mf.plan_configmap_name(p.name)
         cm = await self.kube.get(path("v1", "configmaps", p.ns, cm_name))
-        plan = await self.plan_of((p.ns, p.name), cm)
+        plan = await self.plan_of((p.ns, p.name), cm, uid=p.meta["uid"])
         if plan is None or allotment.row is None or plan.selected_row == allotment.row:
             return
         new = plan_at_row(plan, allotment.row)

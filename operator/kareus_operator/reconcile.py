@@ -48,6 +48,7 @@ from kareus_operator.publish import PROGRESS_KEY
 from kareus_operator.refusals import CONDITION_OF_ROLE, ChildRefused, Refusal, backoff_s, classify
 from kareus_operator.settings import (
     ANNOTATION_PLAN_REVISION,
+    LABEL_JOB_UID,
     LABEL_QUEUE,
     LABEL_ROLE,
     PLAN_FILE,
@@ -169,6 +170,8 @@ class _Pass:
         self.requeue_s = seconds if self.requeue_s is None else min(self.requeue_s, seconds)
 
     def outcome(self) -> Outcome:
+        if self.true("Stalled"):  # set by the controller when a pass raised; this one did not
+            self.want("Stalled", False, "Reconciled", "the operator reconciles this job again")
         old_phase = (self.job.get("status") or {}).get("phase")
         self.status["conditions"] = self.conditions
         self.status["phase"] = cond.phase_of(self.conditions)
@@ -381,7 +384,7 @@ class Reconciler:
         p.status["profile"] = {"key": key, "configMap": cm_name}
         reuse = (await self.policy()).reuse_profiles(spec.profiling.reuse)
         cache = await self.kube.get(path("v1", "configmaps", p.ns, cm_name))
-        cached = PROFILE_FILE in ((cache or {}).get("data") or {})
+        cached = sealed_profile(cache)
         job_name = mf.profile_job_name(p.name)
         child = await self._child(p, "jobs", job_name, "profile")
         if cached and child is None and reuse:
@@ -396,16 +399,31 @@ class Reconciler:
                 key = self._profile_key(p, spec)  # the product it ran on is known now
                 cm_name = mf.profile_configmap_name(key)
                 p.status["profile"] = {"key": key, "configMap": cm_name}
-                cache = await self.kube.get(path("v1", "configmaps", p.ns, cm_name))
-                cached = PROFILE_FILE in ((cache or {}).get("data") or {})
-            if not cached:
-                return self._fail(p, "ProfilingFailed", f"Job {job_name} succeeded but published no profile {cm_name}")
+            if not await self._publish_profile(p, key):
+                return self._fail(p, "ProfilingFailed", f"Job {job_name} succeeded but published no profile "
+                                  f"{mf.measured_profile_configmap_name(p.name)}")
             p.status["profile"]["cacheHit"] = False
             p.want("Profiled", True, "Measured", f"profiled by Job {job_name}; stored in {cm_name}")
             return True
         if state not in ("Failed", "Suspended"):
             p.want("Profiled", False, "Profiling", f"Job {job_name} is {state.lower()}")
         return False
+
+    async def _publish_profile(self, p: _Pass, key: str) -> bool:
+        """Copy what this job's profiling Job measured (its own ConfigMap, which only its pods may
+        write) into the shared cache of `key`, sealed with this job's UID. Workers never write a
+        cache (the chart's admission policy), so a cache is only ever what a profiling Job the
+        operator saw succeed measured; an unsealed one (an older operator's) is never reused."""
+        measured = await self._child(p, "configmaps", mf.measured_profile_configmap_name(p.name), "profile")
+        text = ((measured or {}).get("data") or {}).get(PROFILE_FILE)
+        if not text:
+            return False
+        body = mf.profile_cache(p.ns, key, text, p.meta["uid"])
+        _, created = await self.kube.create(path("v1", "configmaps", p.ns), body)
+        if not created:
+            await self.kube.merge_patch(path("v1", "configmaps", p.ns, body["metadata"]["name"]),
+                                        {"metadata": {"labels": body["metadata"]["labels"]}, "data": body["data"]})
+        return True
 
     def _profile_key(self, p: _Pass, spec: JobSpec) -> str:
         """The job's profile key; a job that pins no GPU product is keyed by the product its
@@ -454,6 +472,7 @@ class Reconciler:
         if child is None:
             await self._ensure_spec(p)
             await self._check_overrides(p, spec, "train", mf.train_job_name(p.name))
+            await self._ensure(mf.job_configmap(p.job, mf.progress_configmap_name(p.name), "train"))
             await self._ensure(mf.train_service(p.job))
             await self._ensure(mf.train_job(p.job, spec, self.settings))
             p.want("Training", True, "Starting", f"created the Indexed Job {job_name} ({spec.training.nodes} pod(s))")
@@ -589,6 +608,9 @@ class Reconciler:
         phase = child_phase(child)
         if child is None:
             await self._check_overrides(p, spec, stage, f"{p.name}-{stage}")
+            filled = {"profile": mf.measured_profile_configmap_name, "optimize": mf.plan_configmap_name}.get(stage)
+            if filled is not None:  # the ConfigMap its pod fills, created owned so it can be trusted
+                await self._ensure(mf.job_configmap(p.job, filled(p.name), stage))
             await self._ensure(build())
             return "Pending"
         # The Job controller's failed pods are its retries, but for the last one when it gave up.
@@ -680,7 +702,8 @@ class Reconciler:
         A same-named object owned by anyone else — a deleted job's child the garbage collector has
         not removed yet — is never used: the job waits until it is gone (StaleChild)."""
         body = await self.kube.get(path(_API_OF[plural], plural, p.ns, name))
-        if body is None or owned_by(body, p.meta["uid"]):
+        if body is None or (trusted_configmap(body, p.meta["uid"]) if plural == "configmaps"
+                            else owned_by(body, p.meta["uid"])):
             return body
         raise StaleChild(body, role)
 
@@ -778,6 +801,20 @@ class StaleChild(Exception):
         super().__init__(f"{body.get('kind', 'object')} {meta['name']} belongs to {', '.join(owners) or 'no owner'}, "
                          f"not this job; waiting until it is gone ({state})")
         self.condition = CONDITION_OF_ROLE.get(role, "Profiled")
+
+
+def trusted_configmap(body: Mapping[str, Any] | None, uid: str) -> bool:
+    """Whether a job ConfigMap is the one the operator created for job `uid`: its controller
+    ownerReference and its `job-uid` label, neither of which a worker may set (issue 29: a pod of
+    another job in the namespace cannot plant one)."""
+    labels = ((body or {}).get("metadata") or {}).get("labels") or {}
+    return owned_by(body, uid) and labels.get(LABEL_JOB_UID) == uid
+
+
+def sealed_profile(body: Mapping[str, Any] | None) -> bool:
+    """Whether a profile cache holds a profile and was sealed by the operator (`Reconciler._seal_profile`)."""
+    labels = ((body or {}).get("metadata") or {}).get("labels") or {}
+    return PROFILE_FILE in ((body or {}).get("data") or {}) and bool(labels.get(LABEL_JOB_UID))
 
 
 def owned_by(body: Mapping[str, Any] | None, uid: str) -> bool:

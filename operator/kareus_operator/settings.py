@@ -72,6 +72,11 @@ class Settings:
     # the kernel, not an eviction, bounds it. The limit must exceed shm_size: /dev/shm is charged to it.
     gpu_pod_memory_request: str = "8Gi"
     gpu_pod_memory_limit: str = "64Gi"
+    # The optimize pod (CPU only): requested, so the scheduler counts it, and its memory limited, so a
+    # job at the spec's size bounds cannot take a node's memory (the chart's workers.optimizePods).
+    optimize_pod_cpu_request: str = "1"
+    optimize_pod_memory_request: str = "2Gi"
+    optimize_pod_memory_limit: str = "16Gi"
     service_account: str = "kareus-worker"
     # How long a training pod waits for every node of its job at the rendezvous: `kareus train` reads
     # KAREUS_RENDEZVOUS_TIMEOUT_S, torchrun PET_RDZV_CONF (timeout=, join_timeout=).
@@ -115,6 +120,11 @@ class Settings:
         if request > limit:
             raise KareusError(f"KAREUS_OPERATOR_GPU_POD_MEMORY_REQUEST: must be at most the limit "
                               f"({self.gpu_pod_memory_limit}), got {self.gpu_pod_memory_request}")
+        cpu_quantity("optimize_pod_cpu_request", self.optimize_pod_cpu_request)
+        if memory_bytes("optimize_pod_memory_request", self.optimize_pod_memory_request) > memory_bytes(
+                "optimize_pod_memory_limit", self.optimize_pod_memory_limit):
+            raise KareusError(f"KAREUS_OPERATOR_OPTIMIZE_POD_MEMORY_REQUEST: must be at most the limit "
+                              f"({self.optimize_pod_memory_limit}), got {self.optimize_pod_memory_request}")
 
 
 _MEMORY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
@@ -129,6 +139,18 @@ def memory_bytes(name: str, quantity: str) -> float:
         raise KareusError(f"KAREUS_OPERATOR_{name.upper()}: must be a positive memory quantity such as 512Mi "
                           f"or 16Gi, got {quantity!r}")
     return float(match.group(1)) * _FACTORS[match.group(2)]
+
+
+_CPU = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m)?$")
+
+
+def cpu_quantity(name: str, quantity: str) -> float:
+    """A Kubernetes CPU quantity (`1`, `500m`, `2.5`) in cores; a bad one names its setting."""
+    match = _CPU.match(quantity)
+    if match is None or float(match.group(1)) <= 0:
+        raise KareusError(f"KAREUS_OPERATOR_{name.upper()}: must be a positive CPU quantity such as 1 or 500m, "
+                          f"got {quantity!r}")
+    return float(match.group(1)) / (1000 if match.group(2) else 1)
 
 
 def _parse(name: str, raw: str, default: object) -> object:

@@ -264,6 +264,12 @@ kareus.dev/job-name
   value: {{ .Values.workers.gpuPods.memoryRequest | quote }}
 - name: KAREUS_OPERATOR_GPU_POD_MEMORY_LIMIT
   value: {{ .Values.workers.gpuPods.memoryLimit | quote }}
+- name: KAREUS_OPERATOR_OPTIMIZE_POD_CPU_REQUEST
+  value: {{ .Values.workers.optimizePods.cpuRequest | quote }}
+- name: KAREUS_OPERATOR_OPTIMIZE_POD_MEMORY_REQUEST
+  value: {{ .Values.workers.optimizePods.memoryRequest | quote }}
+- name: KAREUS_OPERATOR_OPTIMIZE_POD_MEMORY_LIMIT
+  value: {{ .Values.workers.optimizePods.memoryLimit | quote }}
 - name: KAREUS_OPERATOR_POLICY_CONFIGMAP
   value: {{ include "kareus.policy.configMapName" . | quote }}
 - name: KAREUS_OPERATOR_POLICY_NAMESPACE
