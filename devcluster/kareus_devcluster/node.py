@@ -19,6 +19,7 @@ every hostPath a pod mounts are the node's own. The kubelet puts its pods under 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -402,6 +403,13 @@ def image_store(images: Sequence[tuple[str, Path]], cache: Path) -> Path:
     Importing the runtime image (several GB: the pinned torch) into every node's containerd took minutes
     a node; a node instead starts from hard links to this store (`seed_containerd_root`).
     """
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "store.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one update at a time: two would share containerd's state directory
+        return _update_store(images, cache)
+
+
+def _update_store(images: Sequence[tuple[str, Path]], cache: Path) -> Path:
     store = cache / "store"
     wanted = "".join(f"{ref} {archive}\n" for ref, archive in images)
     done = store / "imported"

@@ -19,6 +19,9 @@ storage="${KAREUS_BUILDAH_DRIVER:-overlay}"
 version="$(awk -F'"' '/^version = / {print $2; exit}' "$root/pyproject.toml")"
 mkdir -p "$cache"
 log() { echo "images: $*" >&2; }
+# One build at a time per cache: two would write the same archive and race on buildah's layer cache.
+exec 9>"$cache/.build.lock"
+flock 9
 
 need() {
 	local missing=()
@@ -78,8 +81,10 @@ build() {
 		rm -f "$tar.partial"
 		bah push -q "$ref" "docker-archive:$tar.partial:$ref" >&2
 		mv "$tar.partial" "$tar"
-		# older archives of this image are never used again
+		# older archives of this image are never used again, nor are the layers only its older builds had
+		# (untagged images without a child: the layer cache the current builds stand on stays)
 		find "$cache" -maxdepth 1 -name "$name-*.tar" ! -name "$name-$h.tar" -delete
+		bah rmi --prune >/dev/null 2>&1 || true
 		log "built $ref in $(( $(date +%s) - start )) s ($(du -h "$tar" | cut -f1))"
 	fi
 	echo "$ref $tar"
