@@ -109,8 +109,11 @@ def full_power_w(jobs: list[tuple[str, Plan]]) -> float:
     return sum(r.energy_j / r.time_s for _, p in jobs for r in [min(p.frontier.rows, key=lambda r: r.time_s)])
 
 
+RUNS: dict = {}  # the twin's runs, shared by the mixes (the heterogeneous ones share their layouts)
+
+
 def run_mix(label: str, jobs: list[tuple[str, Plan]], fractions: tuple[float, ...], weight: str) -> list[dict]:
-    twin = Twin(jobs)
+    twin = Twin(jobs, runs=RUNS)
     full_w = full_power_w(jobs)
     print(f"\n{label}: {len(jobs)} jobs on {sum(_gpus(p) for _, p in jobs)} GPUs "
           f"({', '.join(sorted({p.job.gpu for _, p in jobs}))}), max-throughput power {full_w / 1e3:.1f} kW")
@@ -143,7 +146,7 @@ def run_mix(label: str, jobs: list[tuple[str, Plan]], fractions: tuple[float, ..
 
 def large_instance(jobs: list[tuple[str, Plan]]) -> dict:
     """1,000 jobs on 10,000 GPUs from the heterogeneous jobs of 8 and 16 GPUs; allocation time."""
-    twin = Twin(jobs)
+    twin = Twin(jobs, runs=RUNS)
     by_size: dict[int, list[PowerJob]] = {8: [], 16: []}
     for k, (name, plan) in enumerate(jobs):
         if _gpus(plan) in by_size:

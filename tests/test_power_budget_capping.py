@@ -243,3 +243,20 @@ def test_gpu_weighted_allocation_is_never_below_capping_on_that_sum(mixed_plans)
     assert result["throughput_ratio_at_equal_budget"] >= 1 - 1e-9 and ours["power_w"] <= budget_w * (1 + 1e-9)
     with pytest.raises(KareusError, match="--weight must be one of jobs, gpus"):
         compare_with_uniform_limit(mixed_plans, budget_w, twin=twin, weight="watts")
+
+
+def test_plan_predictions_off_the_twin_still_keep_the_twin_within_the_budget(a100_plans):
+    """Frontier rows predicting 2 % less energy than the twin runs them: the comparison replaces the
+    allotted points by the twin's numbers until they agree, so the twin's power stays in budget."""
+    from dataclasses import replace
+
+    optimistic = []
+    for name, plan in a100_plans:
+        rows = tuple(FrontierRow(r.time_s, 0.98 * r.energy_j, r.choice) for r in plan.frontier.rows)
+        optimistic.append((name, replace(plan, frontier=FrontierTable(plan.frontier.options, rows))))
+    twin = Twin(optimistic)
+    budget_w = 0.9 * twin.uniform(1.0).power_w  # within the frontiers: frontier rows are allotted
+    result = compare_with_uniform_limit(optimistic, budget_w, twin=twin)
+    assert result["kareus"]["power_w"] <= budget_w * (1 + 1e-9)
+    assert result["kareus"]["power_w"] == pytest.approx(result["allocation"]["predicted_power_w"], rel=1e-12)
+    assert any(j["power_limit_w"] is None for j in result["kareus"]["jobs"])

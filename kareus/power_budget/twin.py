@@ -79,15 +79,16 @@ class PolicyRun:
 
 class Twin:
     """The jobs (`(name, Plan)` each) on their simulated GPUs; each replica, row and limit simulated once
-    (replicas of the same job layout share their runs: every energy term scales with the replicas)."""
+    (replicas of the same job layout share their runs: every energy term scales with the replicas).
+    `runs`: another twin's runs to share (keyed by layout, so any jobs may share them)."""
 
-    def __init__(self, plans: Sequence[tuple[str, Any]]) -> None:
+    def __init__(self, plans: Sequence[tuple[str, Any]], runs: dict | None = None) -> None:
         from kareus.sim import get_gpu
 
         self.plans = list(plans)
         self.gpus = [get_gpu(plan.job.gpu) for _, plan in self.plans]
         self._layouts = [repr(replace(plan.job, data=1, name="")) for _, plan in self.plans]
-        self._runs: dict[tuple[str, int, float | None], Any] = {}
+        self.runs: dict[tuple[str, int, float | None], Any] = {} if runs is None else runs
 
     def run(self, k: int, row: int, limit_w: float | None = None) -> JobRun:
         """Job k at frontier row `row`, its GPUs limited to `limit_w` each (None or the board's maximum:
@@ -99,11 +100,11 @@ class Twin:
         gpu = self.gpus[k]
         limit_w = None if limit_w is None or limit_w >= gpu.power_limit_w else float(limit_w)
         key = (self._layouts[k], row, limit_w)
-        if key not in self._runs:
+        if key not in self.runs:
             board = gpu if limit_w is None else power_limited(gpu, limit_w)
             stages = [stage.instructions for stage in plan.frontier.stages_for(row)]
-            self._runs[key] = replica_iteration(Simulator(board), plan.job.workload(), stages)
-        replica = self._runs[key]
+            self.runs[key] = replica_iteration(Simulator(board), plan.job.workload(), stages)
+        replica = self.runs[key]
         per_stage = plan.job.tensor * plan.job.context * plan.job.data
         return JobRun(name, row, job_gpus(plan), replica.time_s, replica.energy_j(per_stage),
                       min(r.time_s for r in plan.frontier.rows), limit_w)
@@ -228,16 +229,38 @@ def compare_with_uniform_limit(plans: Sequence[tuple[str, Any]], budget_w: float
 
 def _allocation(twin: Twin, budget_w: float, closed: float | None, method: str, weight: str) -> Allocation:
     """The allocation over every job's frontier and power-limited points, the closed-loop uniform
-    limit's points (when it meets the budget) an incumbent."""
-    jobs, incumbent = [], {}
+    limit's points (when it meets the budget) an incumbent. A plan's frontier rows are its
+    optimizer's predictions, which can differ a little from the twin's run of them: the points the
+    incumbent uses and those allotted are replaced by the twin's numbers, and the allocation rerun
+    until every allotted point is the twin's (so the twin's power is the predicted power)."""
+    jobs = []
     for k, (name, plan) in enumerate(twin.plans):
         extra = () if closed is None else (twin.limit_w(k, closed),)
         job = PowerJob.from_plan(name, plan, weight=1.0 if weight == "jobs" else float(job_gpus(plan)))
         jobs.append(replace(job, points=job.points + power_limited_points(twin, k, extra_limits_w=extra)))
-        if closed is not None:
-            run = twin.run(k, plan.selected_row, twin.limit_w(k, closed))
-            incumbent[name] = _point_of(jobs[-1], run)
-    return allocate(jobs, PowerBudget(cluster_w=budget_w), method=method, incumbents=[incumbent] if incumbent else ())
+    uniform = [] if closed is None else [twin.run(k, plan.selected_row, twin.limit_w(k, closed))
+                                         for k, (_, plan) in enumerate(twin.plans)]
+    for k, run in enumerate(uniform):
+        jobs[k] = _as_run(jobs[k], run)
+    while True:
+        incumbent = {job.name: _point_of(job, run) for job, run in zip(jobs, uniform, strict=True)}
+        allocation = allocate(jobs, PowerBudget(cluster_w=budget_w), method=method,
+                              incumbents=[incumbent] if incumbent else ())
+        runs = {k: twin.run(k, a.row, a.power_limit_w) for k, a in enumerate(allocation.allotments) if not a.held}
+        stale = [k for k, run in runs.items() if (run.time_s, run.energy_j) != (allocation.allotments[k].time_s,
+                                                                                allocation.allotments[k].energy_j)]
+        if not stale:
+            return allocation
+        for k in stale:  # each round makes at least one more point the twin's: this ends
+            jobs[k] = _as_run(jobs[k], runs[k])
+
+
+def _as_run(job: PowerJob, run: JobRun) -> PowerJob:
+    """The job with the point that `run` is set to the twin's time and energy."""
+    target = _point_of(job, run)
+    points = tuple(PowerPoint(p.row, run.time_s, run.energy_j, p.power_limit_w) if p is target else p
+                   for p in job.points)
+    return replace(job, points=points)
 
 
 def _point_of(job: PowerJob, run: JobRun) -> PowerPoint:
