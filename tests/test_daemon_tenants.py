@@ -219,13 +219,18 @@ def test_without_a_policy_floor_the_default_floor_bounds_what_a_token_can_do(nod
 
 
 def test_read_and_status_show_only_the_callers_gpus(node):
+    neighbour = node.session(node.other)
+    assert _request(neighbour, "lock", gpus=[node.gpus[1]], clock_mhz=1200, wait=True)["ok"]
     sock = node.session(node.train)
+    locked = {g["uuid"]: g["locked_clock_mhz"] for g in _request(sock, "discover")["gpus"]}
+    assert locked[node.gpus[1]] is None  # the neighbour's GPU is named, its state is not shown
     reply = _request(sock, "read", gpus=[node.gpus[1]])
     assert reply["error"]["code"] == "refused"
     assert f"GPU {node.gpus[1]} is not allocated to pod team-a/llama-0" in reply["error"]["message"]
     assert [g["uuid"] for g in _request(sock, "read", gpus=[node.gpus[0]])["gpus"]] == [node.gpus[0]]
     assert [g["uuid"] for g in _request(sock, "status")["gpus"]] == [node.gpus[0]]
     sock.close()
+    neighbour.close()
     with DaemonConnection(node.daemon.socket_path) as admin:  # outside any pod, the daemon's own user
         assert len(admin.status()["gpus"]) == 4
 

@@ -364,14 +364,15 @@ class Daemon:
 
     async def _op_discover(self, session: Session, request_id: int, _message: dict[str, Any]) -> dict[str, Any]:
         grant = await self._grant(session)
+        visible = await self._visible(session)
         gpus = []
-        for uuid, gpu in self.gpus.items():
+        for uuid, gpu in self.gpus.items():  # every GPU is named, but only the caller's show their state
             reason = self._control_refusal(grant, uuid)
             low, high = self._bounds_for(grant, uuid)
             gpus.append({"uuid": uuid, "pci_bus_id": gpu.pci_bus_id, "name": gpu.name,
                          "supported_clocks_mhz": list(gpu.supported_sm_clocks_mhz()),
                          "min_clock_mhz": low, "max_clock_mhz": high, "controllable": not reason,
-                         "reason": reason, "locked_clock_mhz": gpu.locked_clock_mhz()})
+                         "reason": reason, "locked_clock_mhz": gpu.locked_clock_mhz() if uuid in visible else None})
         return protocol.ok_reply(request_id, gpus=gpus, dry_run=self.config.dry_run)
 
     async def _op_lock(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
