@@ -130,10 +130,6 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 
 def parse_job(manifest: Any) -> KareusJob:
     """Validate a whole manifest (apiVersion, kind, metadata, spec); `status` is ignored."""
-    deep = too_deep(manifest, MAX_NESTING_DEPTH)
-    if deep is not None:
-        raise SpecError([FieldError(deep, f"nests objects and lists more than {MAX_NESTING_DEPTH} deep "
-                                          f"(no KareusJob field is that deep)")])
     errors: list[FieldError] = []
     job = _read_job(manifest, errors)
     if errors or job is None:
@@ -162,7 +158,7 @@ def too_deep(document: Any, limit: int) -> str | None:
 def parse_spec(spec: Any, path: str = "spec") -> JobSpec:
     """Validate the `spec` part alone; returns a `JobSpec`."""
     errors: list[FieldError] = []
-    result = _read_spec(spec, path, errors)
+    result = _read_spec(spec, path, errors) if _shallow(spec, path, errors, depth=1) else None
     if errors or result is None:
         raise SpecError(errors)
     return result
@@ -175,7 +171,21 @@ def validation_errors(manifest: Any) -> list[FieldError]:
     return errors
 
 
+def _shallow(document: Any, path: str, errors: list[FieldError], *, depth: int = 0) -> bool:
+    """False, with the error, when `document` (found `depth` levels into a manifest) nests deeper
+    than any KareusJob field; checked before any reader recurses into it."""
+    deep = too_deep(document, MAX_NESTING_DEPTH - depth)
+    if deep is None:
+        return True
+    where = path if deep == "(document)" else f"{path}.{deep}" if path and not deep.startswith("[") else f"{path}{deep}"
+    errors.append(FieldError(where, f"nests objects and lists more than {MAX_NESTING_DEPTH} deep "
+                                    f"(no KareusJob field is that deep)"))
+    return False
+
+
 def _read_job(manifest: Any, errors: list[FieldError]) -> KareusJob | None:
+    if not _shallow(manifest, "", errors):
+        return None
     top = Fields.of(manifest, "", errors)
     if top is None:
         return None
