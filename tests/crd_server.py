@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kareus_devcluster.controlplane import wait_crd_established
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "kareusjob.yaml"
@@ -44,7 +45,7 @@ def eventually(what: str, check: Callable[[], Any], timeout_s: float = SERVED_TI
 def apply_crd(kubectl, control_plane, path: Path) -> dict:
     """Server-side apply `path`; the CRD as the server holds it once it is served and documented."""
     kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager={FIELD_MANAGER}", "-f", str(path))
-    kubectl("wait", "--for=condition=Established", f"--timeout={SERVED_TIMEOUT_S:.0f}s", f"crd/{CRD_NAME}")
+    wait_crd_established(kubectl, CRD_NAME, SERVED_TIMEOUT_S)
 
     def published() -> bool:
         # The OpenAPI controller publishes an Established CRD's schema asynchronously.

@@ -46,6 +46,7 @@ from kareus_devcluster.controlplane import (
     stop_process,
 )
 from kareus_devcluster.images import cache_dir, node_images
+    wait_crd_established,
 from kareus_devcluster.kueue import DevKueue, quota_objects
 from kareus_devcluster.node import SIM_GPU_DIR, Credentials, NodeSpec, RealNode, image_store
 from kareus_devcluster.prometheus import DevPrometheus, install_monitoring
@@ -268,7 +269,7 @@ class DevCluster(Started):
                      input=stream)
         for obj in objects:
             if obj["kind"] == "CustomResourceDefinition":
-                self.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{obj['metadata']['name']}")
+                wait_crd_established(self.kubectl, obj["metadata"]["name"])
         for obj in objects:
             if obj["kind"] in ("Deployment", "DaemonSet"):
                 ns = obj["metadata"]["namespace"]

@@ -380,3 +380,19 @@ def kubectl_path() -> str | None:
     with contextlib.suppress(KareusError):
         return str(binaries_dir() / "kubectl")
     return shutil.which("kubectl")
+
+
+def wait_crd_established(kubectl: Any, name: str, timeout_s: float = 60.0) -> None:
+    """Until CRD `name` is Established. Polled, not `kubectl wait --for=condition=Established`, which
+    fails at once ("status.conditions accessor error") while a just-created CRD's conditions are
+    still null, a window a large schema (the KareusJob's typed pod overrides) makes wide enough to hit."""
+    deadline = time.monotonic() + timeout_s
+    jsonpath = 'jsonpath={.status.conditions[?(@.type=="Established")].status}'
+    while True:
+        result = kubectl("get", f"crd/{name}", "-o", jsonpath, check=False)
+        if result.returncode == 0 and result.stdout.strip() == "True":
+            return
+        if time.monotonic() > deadline:
+            said = (result.stderr or result.stdout or "").strip()
+            raise KareusError(f"CRD {name} is not Established after {timeout_s:.0f} s{': ' + said if said else ''}")
+        time.sleep(0.2)
