@@ -13,9 +13,9 @@ The file is YAML; every key is optional and an unknown key is an error naming it
     maxConnections: 64            # authenticated sessions (Unix socket + TCP after hello); more are turned away
     reservedUnixConnections: 8    # of those, kept for the Unix socket (default: an eighth); TCP may take the rest only
     maxConnectionsPerPod: 16      # authenticated sessions of one pod (or, outside pods, one uid)
-    maxPendingConnections: 16     # TCP connections that have not authenticated yet (a separate pool)
-    maxPendingPerPeer: 4          # of those, from one IP address
-    helloRatePerSecond: 5         # hellos one IP may send per second (burst: twice that)
+    maxPendingConnections: 32     # TCP connections that have not authenticated yet (a separate pool)
+    maxPendingPerPeer: 16         # of those, from one IP address (a pod's ranks all connect at once)
+    helloRatePerSecond: 10        # hellos one IP may send per second (burst: twice that)
     idleTimeoutSeconds: 120       # a session without leases that sends nothing this long is closed
     defaultFloorFraction: 0       # without a policy floor for a model: the floor is this share of its top clock (0: none)
     requestTimeoutSeconds: 5      # a frame must arrive completely within this
@@ -72,9 +72,9 @@ class NodeConfig:
     max_connections: int = 64
     reserved_unix_connections: int | None = None  # None: an eighth of max_connections
     max_connections_per_pod: int = 16
-    max_pending_connections: int = 16
-    max_pending_per_peer: int = 4
-    hello_rate_per_s: float = 5.0
+    max_pending_connections: int = 32
+    max_pending_per_peer: int = 16
+    hello_rate_per_s: float = 10.0
     idle_timeout_s: float = 120.0
     default_floor_fraction: float = 0.0
     request_timeout_s: float = 5.0

@@ -127,7 +127,9 @@ async def _run(args: argparse.Namespace) -> int:
         log.warning("reset %d GPU(s) left locked by a previous daemon: %s", len(restored), ", ".join(restored))
     daemon.start_workers()
     metrics.watch(daemon)
-    ready = lambda: daemon.ready and daemon.auth_healthy  # noqa: E731
+    def ready() -> bool:
+        return daemon.ready and daemon.auth_healthy
+
     authorize = _metrics_authorizer(args) if args.metrics_auth == "tokenreview" else None
     try:
         http = serve_http(args.metrics_address, args.metrics_port, metrics, ready,
