@@ -152,6 +152,16 @@ def test_sessions_without_leases_are_closed_when_their_token_stops_validating(no
     wait_for(lambda: node.daemon.call(lambda: len(node.daemon.daemon.sessions)) == 0)  # each reader saw its end
 
 
+def test_the_connection_limits_are_checked_when_the_config_is_read():
+    config = parse_config({"maxConnections": 40})
+    assert (config.unix_reserve, config.max_pending_connections, config.max_pending_per_peer) == (5, 32, 16)
+    assert parse_config({"maxConnections": 40, "reservedUnixConnections": 0}).unix_reserve == 0
+    with pytest.raises(ConfigError, match="reservedUnixConnections: must be less than maxConnections"):
+        parse_config({"maxConnections": 4, "reservedUnixConnections": 4})
+    with pytest.raises(ConfigError, match="idleTimeoutSeconds: must be a number > 0"):
+        parse_config({"idleTimeoutSeconds": 0})
+
+
 # ---------------------------------------------------------------- item 3: TokenReview amplification
 
 

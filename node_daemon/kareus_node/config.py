@@ -44,7 +44,6 @@ _LIMIT_KEYS = {
     "podRecheckSeconds": ("pod_recheck_s", float),
     "tokenReviewSeconds": ("token_review_s", float),
     "maxConnections": ("max_connections", int),
-    "reservedUnixConnections": ("reserved_unix_connections", int),
     "maxConnectionsPerPod": ("max_connections_per_pod", int),
     "maxPendingConnections": ("max_pending_connections", int),
     "maxPendingPerPeer": ("max_pending_per_peer", int),
@@ -54,7 +53,7 @@ _LIMIT_KEYS = {
     "requestTimeoutSeconds": ("request_timeout_s", float),
     "maxScheduleLength": ("max_schedule_length", int),
 }
-_KEYS = frozenset({"dryRun", "defaultFloorFraction", *_POLICY_KEYS, *_LIMIT_KEYS})
+_KEYS = frozenset({"dryRun", "defaultFloorFraction", "reservedUnixConnections", *_POLICY_KEYS, *_LIMIT_KEYS})
 
 
 class ConfigError(KareusError):
@@ -125,7 +124,11 @@ def parse_config(raw: Any, *, source: str = "config") -> NodeConfig:
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction <= 1:
         raise ConfigError(f"{source}: defaultFloorFraction: must be a share of the top clock from 0 (no floor) "
                           f"to 1, got {fraction!r}")
-    config = NodeConfig(dry_run=dry_run, policy=policy, default_floor_fraction=float(fraction), **limits)
+    reserve = raw.get("reservedUnixConnections")
+    if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0):
+        raise ConfigError(f"{source}: reservedUnixConnections: must be a whole number >= 0, got {reserve!r}")
+    config = NodeConfig(dry_run=dry_run, policy=policy, default_floor_fraction=float(fraction),
+                        reserved_unix_connections=reserve, **limits)
     if config.unix_reserve >= config.max_connections:
         raise ConfigError(f"{source}: reservedUnixConnections: must be less than maxConnections "
                           f"({config.max_connections}), got {config.unix_reserve}")
