@@ -17,7 +17,8 @@ the allocator assigns: a frontier row, or a row under a per-GPU power limit) aga
 capping (every GPU limited to the same share of its board's maximum, each job at its plan's point)
 — closed-loop (the share raised until the cluster draws the budget: **ratio at equal budget**) and
 at the share that draws what Kareus draws (**ratio at equal drawn power**). Throughput is the sum of
-the jobs' normalised throughputs (each job's fastest point = 1), what the allocator maximises; with
+the jobs' normalised throughputs (each job's fastest point = 1), what the allocator maximises (`late`:
+the jobs capping slows past their time budget; the allocation keeps every time budget it can); with
 `--weight gpus` it maximises each job's normalised throughput × its GPUs instead, and the ratios
 are of that sum. The GPU-weighted ratio is printed beside the ratio either way. `gap` is the allocation's
 certified gap (upper bound − value) over its value.
@@ -118,7 +119,7 @@ def run_mix(label: str, jobs: list[tuple[str, Plan]], fractions: tuple[float, ..
     print(f"\n{label}: {len(jobs)} jobs on {sum(_gpus(p) for _, p in jobs)} GPUs "
           f"({', '.join(sorted({p.job.gpu for _, p in jobs}))}), max-throughput power {full_w / 1e3:.1f} kW")
     print(f"{'budget':>9} | {'Kareus norm.':>12} {'kW':>6} {'limited':>7} | {'closed-loop':>11} {'kW':>6} "
-          f"{'ratio':>6} {'GPU-wt':>6} | {'equal-power':>11} {'ratio':>6} {'GPU-wt':>6} | {'gap':>8} {'s':>5}")
+          f"{'ratio':>6} {'GPU-wt':>6} {'late':>4} | {'equal-power':>11} {'ratio':>6} {'GPU-wt':>6} | {'gap':>8} {'s':>5}")
     rows = []
     for fraction in fractions:
         started = time.perf_counter()
@@ -134,7 +135,8 @@ def run_mix(label: str, jobs: list[tuple[str, Plan]], fractions: tuple[float, ..
                   "equal_power_gpu_weighted": (k["gpu_weighted_normalised_throughput"]
                                                / m["gpu_weighted_normalised_throughput"])}
         closed = (f"{c['normalised_throughput']:>11.3f} {c['power_w'] / 1e3:>6.1f} {ratios['equal_budget']:>6.3f} "
-                  f"{ratios['equal_budget_gpu_weighted']:>6.3f}") if c["feasible"] else f"{'infeasible':>33}"
+                  f"{ratios['equal_budget_gpu_weighted']:>6.3f} {len(c['time_budgets_missed']):>4}") \
+            if c["feasible"] else f"{'infeasible':>38}"
         print(f"{r['budget_w'] / 1e3:>6.1f} kW | {k['normalised_throughput']:>12.3f} {k['power_w'] / 1e3:>6.1f} "
               f"{limited:>7} | {closed} | {m['normalised_throughput']:>11.3f} {ratios['equal_power']:>6.3f} "
               f"{ratios['equal_power_gpu_weighted']:>6.3f} | {gap:>8.1e} {elapsed_s:>5.0f}")

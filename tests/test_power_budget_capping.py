@@ -260,3 +260,10 @@ def test_plan_predictions_off_the_twin_still_keep_the_twin_within_the_budget(a10
     assert result["kareus"]["power_w"] <= budget_w * (1 + 1e-9)
     assert result["kareus"]["power_w"] == pytest.approx(result["allocation"]["predicted_power_w"], rel=1e-12)
     assert any(j["power_limit_w"] is None for j in result["kareus"]["jobs"])
+
+
+def test_time_budgets_missed_are_named(deadline_plans):
+    twin = Twin(deadline_plans)
+    result = compare_with_uniform_limit(deadline_plans, 0.8 * twin.uniform(1.0).power_w, twin=twin)
+    assert result["kareus"]["time_budgets_missed"] == []
+    assert result["uniform_closed_loop"]["time_budgets_missed"] == ["deadline"]  # only it has a time budget

@@ -212,17 +212,17 @@ def compare_with_uniform_limit(plans: Sequence[tuple[str, Any]], budget_w: float
                              "predicted_power_w": allocation.total_power_w, "value": allocation.value,
                              "upper_bound": allocation.upper_bound, "gap": allocation.gap,
                              "resolution_w": allocation.resolution_w, "message": allocation.message},
-              "kareus": ours.to_dict(), "uniform_power_limit": theirs.to_dict(),
+              "kareus": _missing(ours, twin), "uniform_power_limit": _missing(theirs, twin),
               "weight": weight, "throughput_ratio": ratio(theirs),
               "iterations_ratio": ours.to_dict()["iterations_per_s"] / theirs.to_dict()["iterations_per_s"],
               # A uniform limit leaves power unused where GPUs draw less than it (bubbles, memory-bound
               # phases); raised (or lowered) until the cluster draws what Kareus' allocation draws:
-              "uniform_at_equal_power": {**_limits(twin, matched), **matched_run.to_dict()},
+              "uniform_at_equal_power": {**_limits(twin, matched), **_missing(matched_run, twin)},
               "throughput_ratio_at_equal_power": ratio(matched_run),
               "uniform_closed_loop": {"feasible": closed is not None}}
     if closed is not None:
         closed_run = twin.uniform(closed)
-        result["uniform_closed_loop"] |= {**_limits(twin, closed), **closed_run.to_dict()}
+        result["uniform_closed_loop"] |= {**_limits(twin, closed), **_missing(closed_run, twin)}
         result["throughput_ratio_at_equal_budget"] = ratio(closed_run)
     return result
 
@@ -269,6 +269,13 @@ def _point_of(job: PowerJob, run: JobRun) -> PowerPoint:
     if run.power_limit_w is not None and not same:  # the limit did not slow the row: its frontier point
         same = [p for p in job.points if p.row == run.row and p.power_limit_w is None]
     return same[0]
+
+
+def _missing(run: PolicyRun, twin: Twin) -> dict[str, Any]:
+    """The run's dict with `time_budgets_missed`: the jobs slower than their objective's time bound."""
+    bounds = {name: PowerJob.from_plan(name, plan).max_time_s for name, plan in twin.plans}
+    missed = [j.name for j in run.jobs if bounds[j.name] is not None and j.time_s > bounds[j.name] * (1 + 1e-9)]
+    return {**run.to_dict(), "time_budgets_missed": missed}
 
 
 def _limits(twin: Twin, share: float) -> dict[str, Any]:
