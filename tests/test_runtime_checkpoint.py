@@ -92,11 +92,19 @@ def test_a_damaged_checkpoint_is_skipped_with_its_reason(tmp_path, reference, ca
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only the digest can tell
     shard.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="kareus.runtime"):
-        resumed = _train(_manifest(), steps=6, checkpoint_dir=str(ckpt))
+        resumed = _train(_manifest(), steps=6, checkpoint_dir=str(ckpt), checkpoint_every=2)
     assert resumed.first_step == 2 and _close(list(resumed.losses), reference[2:])
     warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "skipping checkpoint" in warning and "step-00000004" in warning
     assert f"file {shard.name} does not match its SHA-256" in warning
+    # The resumed run saved step 4 again, over the damaged one, and step 6: both check out now.
+    assert _steps_in(ckpt) == [4, 6] and not list(ckpt.glob(".partial-*"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kareus.runtime"):
+        assert _train(_manifest(), steps=6, checkpoint_dir=str(ckpt), checkpoint_keep=3).first_step == 6
+        shutil.rmtree(ckpt / "step-00000006")
+        again = _train(_manifest(), steps=6, checkpoint_dir=str(ckpt))
+    assert again.first_step == 4 and _close(list(again.losses), reference[4:]) and not caplog.records
 
 
 def test_every_checkpoint_damaged_is_refused_naming_each(tmp_path):

@@ -156,11 +156,10 @@ def _empty_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) ->
 class Checkpointer:
     """Saves and finds this job's checkpoints; every rank makes the same calls in the same order."""
 
-    def __init__(self, settings: CheckpointSettings, identity: Identity, *, rank: int, world: int,
-                 device: torch.device) -> None:
+    def __init__(self, settings: CheckpointSettings, identity: Identity, *, rank: int, world: int) -> None:
         self.settings, self.identity = settings, identity
         self.root = Path(settings.directory)
-        self.rank, self.world, self.device = rank, world, device
+        self.rank, self.world = rank, world
 
     # saving ---------------------------------------------------------------------------------
 
@@ -185,10 +184,14 @@ class Checkpointer:
                         "plan_digest": plan_digest, "world_size": self.world, **self.identity.as_dict(),
                         "files": files}
             _write_durably(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-            if final.exists():  # the same step saved again (a stop right after a periodic save)
-                shutil.rmtree(final)
+            replaced = None
+            if final.exists():  # this step saved again: a run resumed from before a damaged checkpoint
+                replaced = self.root / f"{_PARTIAL}replaced-{final.name}"  # a directory cannot replace a full one
+                os.replace(final, replaced)
             os.replace(partial, final)
             _fsync_dir(self.root)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
             self._prune()
             log.info("checkpoint after step %d (%s): %s in %.2f s", step, reason, final,
                      time.perf_counter() - started)

@@ -348,7 +348,7 @@ def _checkpointer(ctx: DistContext, config: TrainConfig, trained: TrainedModel, 
               "micro_batch_size": config.micro_batch_size, "num_micro_batches": config.num_microbatches}
     identity = Identity(config.job_name, model, layout, config.optimizer, config.dtype,
                         {**data.identity, "seed": config.seed})
-    return Checkpointer(settings, identity, rank=ctx.rank, world=config.layout.world_size, device=ctx.device)
+    return Checkpointer(settings, identity, rank=ctx.rank, world=config.layout.world_size)
 
 
 class _Running:
