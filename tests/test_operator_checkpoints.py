@@ -231,3 +231,13 @@ def test_the_jobs_dashboard_shows_eta_and_energy_still_to_spend():
     [left] = exprs["Energy still to spend"]
     projected, measured = left.split(" - ")
     assert "kareus_job_projected_energy_joules" in projected and "kareus_job_measured_energy_joules" in measured
+
+
+def test_a_step_copied_twice_within_a_run_counts_once(tmp_path):
+    path = tmp_path / "progress.jsonl"
+    ledger = Ledger(path, "a")
+    ledger.add(steps(0, 3))
+    ledger.add(steps(2, 4))  # a retried copy after a failed write repeats step 2
+    ledger.close()
+    summary = replay(path.read_text().splitlines()).summary()
+    assert (summary["iterations"], summary["redoneJoules"]) == (4, 0.0)

@@ -60,6 +60,8 @@ class LedgerState:
         self._run_has_steps = False
 
     def add(self, entry: StepEntry) -> None:
+        if self._run_has_steps and self.kept and entry.step <= self.kept[-1].step:
+            return  # a run's steps only increase: this is a copy written twice, not work done again
         if not self._run_has_steps:
             self.resumed_from_step = entry.step if self.kept or self.redone_j else 0
             self._run_has_steps = True
@@ -117,12 +119,18 @@ class Ledger:
         self.state.start_run()
 
     def add(self, records: Iterable[Mapping[str, Any]]) -> None:
+        added = False
         for record in records:
-            entry = StepEntry.of(record)
+            try:
+                entry = StepEntry.of(record)
+            except (KeyError, TypeError, ValueError):
+                continue  # not a step record the runtime writes: nothing to count
             self._file.write(entry.to_json() + "\n")
             self.state.add(entry)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+            added = True
+        if added:
+            self._file.flush()
+            os.fsync(self._file.fileno())  # on the claim before the pod can be killed
 
     def _write(self, item: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(item) + "\n")

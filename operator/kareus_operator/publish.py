@@ -147,8 +147,11 @@ def _follow(path: Path, writer: ConfigMapWriter, interval_s: float, stop: thread
         lines = text.splitlines()
         if ledger is not None:
             complete = text.split("\n")[:-1]  # the last piece may be a line being written
-            ledger.add(_step_records(complete[copied:]))
-            copied = len(complete)
+            try:
+                ledger.add(_step_records(complete[copied:]))
+                copied = len(complete)
+            except OSError as error:  # a full or lost claim: try again, keep publishing
+                print(f"kareus-operator publish: progress ledger not written: {error}", file=sys.stderr)
             if not stopping and time.monotonic() - published_at < wait_s:
                 continue
         summary = summarise_progress(lines)
