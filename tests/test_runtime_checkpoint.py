@@ -249,3 +249,16 @@ def test_checkpoint_flags_are_checked_in_one_line(tmp_path, capsys, args, messag
     assert cli_main(["train", str(job_path), "--steps", "1", *args]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"kareus: error: {message}"
+
+
+def test_two_ranks_refuse_a_foreign_checkpoint_with_the_non_retryable_code(tmp_path):
+    first = _start(tmp_path, "out1", "--steps", "1", "--checkpoint-every", "1")
+    _, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0 and _steps_in(tmp_path / "ckpt") == [1], stderr
+    other = _start(tmp_path, "out2", "--optimizer", "sgd")
+    _, stderr = other.communicate(timeout=600)
+    # A retry cannot help: the pod failure policy fails the job at once on this code.
+    assert other.returncode == EXIT_CONFIG and EXIT_CONFIG in NON_RETRYABLE_EXIT_CODES, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("kareus: error: rank ") and "checkpoint step-00000001 is not this run's: " \
+        "optimizer: checkpoint 'adamw', this run 'sgd'" in last

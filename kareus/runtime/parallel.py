@@ -224,8 +224,9 @@ def spawn_local(nproc: int, fn: Callable, *args, nodes: NodeGroup | None = None)
         except (mp.ProcessRaisedException, mp.ProcessExitedException):
             # A user-caused error in a rank reaches the user as that one line, not a traceback.
             messages = sorted(Path(tmp).glob("error-*.txt"))
-            if messages:
-                raise KareusError(messages[0].read_text()) from None
+            if messages:  # its exit code too: the pod failure policy tells retryable from not by it
+                code, _, message = messages[0].read_text().partition("\n")
+                raise KareusError(message, exit_code=int(code)) from None
             raise
 
 
@@ -245,7 +246,7 @@ def _spawned(local_rank: int, nproc: int, nodes: NodeGroup, tmp: str, fn: Callab
     try:
         fn(rank, store, *args)
     except KareusError as error:
-        (Path(tmp) / f"error-{rank:05d}.txt").write_text(f"rank {rank}: {error}")
+        (Path(tmp) / f"error-{rank:05d}.txt").write_text(f"{error.exit_code}\nrank {rank}: {error}")
         raise
     finally:
         shutdown()
