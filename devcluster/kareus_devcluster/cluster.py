@@ -7,6 +7,8 @@
 2. Kareus's images (`make images`, cached by content) and the nodes (`node.RealNode`: the upstream
    kubelet, containerd and runc, kube-proxy, each node in its own network and mount namespace, the
    images imported), then CoreDNS as kubeadm deploys it (`dns`), and waits until the nodes are Ready;
+   and the default StorageClass `standard`, whose claims get node-local volumes (`storage`, as
+   kind's local-path-provisioner provides them);
 3. the Helm chart, rendered by the real Helm engine (helm-python-sdk embeds Helm's Go SDK) and
    applied with kubectl as a release named `kareus` in `kareus-system`: the CRD, RBAC, the node
    agent DaemonSet (simulated GPUs: `nodeAgent.backend: sim`) and the operator Deployment, which
@@ -50,6 +52,7 @@ from kareus_devcluster.images import cache_dir, node_images
 from kareus_devcluster.kueue import DevKueue, quota_objects
 from kareus_devcluster.node import SIM_GPU_DIR, Credentials, NodeSpec, RealNode, image_store
 from kareus_devcluster.prometheus import DevPrometheus, install_monitoring
+from kareus_devcluster.storage import LocalPathProvisioner
 
 NODE_NAME = "kareus-dev-node"  # the first node; more are <NODE_NAME>-1, -2, …
 NODE_GPUS = 8
@@ -110,6 +113,7 @@ class DevCluster(Started):
         self.prometheus: DevPrometheus | None = None
         self.want_kueue = kueue  # the real Kueue controller, with a ClusterQueue over every GPU
         self.kueue: DevKueue | None = None
+        self.storage: LocalPathProvisioner | None = None  # the default StorageClass's node-local volumes
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -136,6 +140,8 @@ class DevCluster(Started):
             self.nodes.append(self._start_node(f"{NODE_NAME}-cpu", gpus=0, taint=False))
         self._wait_nodes_ready()
         dns.install(self)
+        self.storage = LocalPathProvisioner(self.control_plane, self._node_root)
+        self.storage.start()
         values = self.values(operator=self.want_operator, node_agent=self.want_node_agent)
         if self.want_prometheus:
             values["metrics"] = install_monitoring(self)
@@ -151,6 +157,9 @@ class DevCluster(Started):
                 quota_objects(KUEUE_QUEUE, gpus, list(self.worker_namespaces))))
 
     def stop(self) -> None:
+        if self.storage is not None:
+            self.storage.stop()
+            self.storage = None
         if self.kueue is not None:
             self.kueue.stop()
             self.kueue = None
@@ -200,6 +209,9 @@ class DevCluster(Started):
         node.stop()
         assert self.control_plane is not None
         self.control_plane.network.remove_node(node.spec.name)
+
+    def _node_root(self, name: str) -> Path | None:
+        return next((node.root for node in self.nodes if node.spec.name == name), None)
 
     def node(self, name: str) -> RealNode:
         return next(n for n in self.nodes if n.spec.name == name)
