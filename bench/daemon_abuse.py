@@ -48,7 +48,7 @@ from kareus_node.auth import TOKEN_AUDIENCE, KubeletAuthorizer, TokenAuthorizer 
 from kareus_node.ceilings import ClockCeilings  # noqa: E402
 from kareus_node.config import parse_config  # noqa: E402
 from kareus_node.journal import Journal  # noqa: E402
-from kareus_node.jwks import JWKS_PATH, TokenVerifier  # noqa: E402
+from kareus_node.jwks import JWKS_MEDIA_TYPE, JWKS_PATH, TokenVerifier  # noqa: E402
 from kareus_node.kubeapi import KubeAPIUnavailable  # noqa: E402
 from kareus_node.metrics import DaemonMetrics, serve_http  # noqa: E402
 from kareus_node.podresources import GPUHolder  # noqa: E402
@@ -91,10 +91,12 @@ class FakeAPIServer:
         self._lock = threading.Lock()
 
     # -- what the daemon calls (kubeapi.KubeAPI's interface) ------------------------------------
-    def get(self, path: str) -> Any:
+    def get(self, path: str, *, accept: str = "application/json") -> Any:
         if self.fail:
             raise KubeAPIUnavailable(f"GET {path}: connection refused")
         if path == JWKS_PATH:
+            if accept != JWKS_MEDIA_TYPE:  # what the real API server answers
+                raise KubeAPIUnavailable(f"GET {path}: HTTP 406: Available representations: {JWKS_MEDIA_TYPE}", 406)
             self._count("jwks")
             public = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(self.key.public_key()))
             return {"keys": [{**public, "kid": KID, "use": "sig", "alg": "RS256"}]}

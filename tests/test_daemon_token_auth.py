@@ -104,8 +104,9 @@ class Cluster:
 
     def authorizer(self, holders: dict[str, list[GPUHolder]], **config) -> TokenAuthorizer:
         api = KubeAPI(self.plane.url, token_path=str(self.agent_dir / "token"), ca_path=str(self.agent_dir / "ca.crt"))
+        # A pod list that stays as it was (as the fake kubelet does): only a token's review can tell a pod is gone.
         pods = PodDirectory(self.plane.url, NODE, token_path=str(self.agent_dir / "token"),
-                            ca_path=str(self.agent_dir / "ca.crt"))
+                            ca_path=str(self.agent_dir / "ca.crt"), max_age_s=3600.0)
         return TokenAuthorizer(parse_config(config), pods, FakePodResources(holders), api, node_name=NODE,
                                review_interval_s=0.0)
 

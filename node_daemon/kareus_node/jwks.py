@@ -27,6 +27,7 @@ from kareus_node.auth import AuthUnavailable
 from kareus_node.kubeapi import KubeAPI, KubeAPIUnavailable
 
 JWKS_PATH = "/openid/v1/jwks"
+JWKS_MEDIA_TYPE = "application/jwk-set+json"  # the only representation the API server offers (406 otherwise)
 # Kubernetes signs ServiceAccount tokens with RSA or ECDSA keys; symmetric algorithms (and "none")
 # are never accepted, whatever a token's header says.
 ALGORITHMS = ("RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "PS256", "PS384", "PS512")
@@ -81,7 +82,7 @@ class TokenVerifier:
 
     def _fetch(self) -> None:
         try:
-            body = self._api.get(JWKS_PATH)
+            body = self._api.get(JWKS_PATH, accept=JWKS_MEDIA_TYPE)
         except KubeAPIUnavailable as error:
             hint = (" (the node agent's ServiceAccount needs get on the nonResourceURL /openid/v1/jwks)"
                     if error.status == 403 else "")

@@ -37,16 +37,18 @@ class KubeAPI:
         self._context = ssl.create_default_context(cafile=ca_path) if os.path.exists(ca_path) else None
         self._timeout_s = timeout_s
 
-    def get(self, path: str) -> Any:
-        return self._call("GET", path, None)
+    def get(self, path: str, *, accept: str = "application/json") -> Any:
+        """GET `path` as JSON; `accept` names the media type where the API server insists on its own
+        (the JWKS is served only as application/jwk-set+json)."""
+        return self._call("GET", path, None, accept)
 
     def post(self, path: str, body: Any) -> Any:
         return self._call("POST", path, body)
 
-    def _call(self, method: str, path: str, body: Any) -> Any:
+    def _call(self, method: str, path: str, body: Any, accept: str = "application/json") -> Any:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.api_url + path, data=data, method=method,
-                                         headers={"Accept": "application/json"})
+                                         headers={"Accept": accept})
         if data is not None:
             request.add_header("Content-Type", "application/json")
         token = self._token()
