@@ -267,3 +267,36 @@ def test_time_budgets_missed_are_named(deadline_plans):
     result = compare_with_uniform_limit(deadline_plans, 0.8 * twin.uniform(1.0).power_w, twin=twin)
     assert result["kareus"]["time_budgets_missed"] == []
     assert result["uniform_closed_loop"]["time_budgets_missed"] == ["deadline"]  # only it has a time budget
+
+
+def reference_hull(job: PowerJob) -> list[PowerPoint]:
+    """The upper concave hull, one job at a time (Andrew's monotone chain), for `_warm` to match."""
+    points = sorted(job.candidates(), key=lambda p: (p.power_w, -job.value(p)))
+    rising = []
+    for p in points:
+        if not rising or job.value(p) > job.value(rising[-1]):
+            rising.append(p)
+    hull: list[PowerPoint] = []
+    for p in rising:
+        while len(hull) >= 2 and ((job.value(hull[-1]) - job.value(hull[-2])) * (p.power_w - hull[-1].power_w)
+                                  <= (job.value(p) - job.value(hull[-1])) * (hull[-1].power_w - hull[-2].power_w)):
+            hull.pop()
+        hull.append(p)
+    return hull
+
+
+def test_hulls_of_many_jobs_at_once_match_one_at_a_time():
+    rng = np.random.default_rng(9)
+    jobs = []
+    for k in range(40):
+        n = int(rng.integers(1, 30))
+        times = rng.uniform(1.0, 3.0, n)
+        power = rng.choice([300.0, 400.0, 500.0], n) if k % 5 == 0 else rng.uniform(200.0, 900.0, n)  # ties too
+        points = tuple(PowerPoint(i, float(t), float(t * w)) for i, (t, w) in enumerate(zip(times, power, strict=True)))
+        jobs.append(PowerJob(f"j{k}", points, weight=float(rng.choice([1.0, 8.0])),
+                             max_time_s=2.0 if k % 3 == 0 else None))
+    budget_w = 0.5 * sum(max(p.power_w for p in j.points) for j in jobs)
+    result = allocate(jobs, PowerBudget(cluster_w=budget_w), method="greedy")  # computes every hull in one pass
+    assert result.feasible and result.total_power_w <= budget_w
+    for job in jobs:
+        assert list(job.hull) == reference_hull(job), job.name

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -80,6 +81,8 @@ SHRINK = 2e-3  # the exact DP's default step loses at most this share of any bud
 MAX_CELLS = 100_000  # DP steps in the largest budget, at most (memory and time bound)
 MAX_DP_WORK = 400_000_000  # candidate points × DP steps, at most: beyond it (≈ 1,000 jobs) the greedy runs
 _REL = 1e-9  # float slack when comparing sums with budgets
+_TIME, _ENERGY = operator.attrgetter("time_s"), operator.attrgetter("energy_j")
+_HULL = "_hull_points"  # where a PowerJob caches its hull (computed for many jobs at once by `_warm`)
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ class PowerJob:
 
     @cached_property
     def fastest_time_s(self) -> float:
-        return float(self._point_arrays[:, 0].min())
+        return min(p.time_s for p in self.points)
 
     @cached_property
     def _point_arrays(self) -> np.ndarray:
@@ -148,18 +151,16 @@ class PowerJob:
 
     @cached_property
     def _candidates(self) -> tuple[PowerPoint, ...]:
+        if self.max_time_s is None and self.max_energy_j is None:
+            return self.points
         return tuple(self.points[i] for i in self._candidate_index.tolist())
 
-    @cached_property
-    def candidate_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(power_w, value) of the candidates, in their order."""
-        times, energies = self._point_arrays[self._candidate_index].T
-        return energies / times, self.weight * self.fastest_time_s / times
-
-    @cached_property
+    @property
     def hull(self) -> tuple[PowerPoint, ...]:
         """The upper concave hull of the candidates in (power, value), from the lowest power up."""
-        return tuple(_hull(self))
+        if _HULL not in self.__dict__:
+            _warm([self])
+        return self.__dict__[_HULL]
 
     @property
     def relaxed(self) -> PowerJob:
@@ -429,12 +430,13 @@ def _best_of(members: Sequence[PowerJob], constraints: Sequence[_Constraint], pi
 
 
 def _lowest_power(job: PowerJob) -> PowerPoint:
-    power, value = job.candidate_arrays
-    return job.candidates()[int(np.lexsort((-value, power))[0])]
+    """The least-power candidate (the most valuable among equals): where the job's hull starts."""
+    return job.hull[0]
 
 
 def _admit(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> tuple[list[PowerJob], list[str], bool]:
     """Running jobs always; new jobs in order while every budget fits all at their lowest power."""
+    _warm(jobs)
     usage = {c.key: 0.0 for c in constraints}
 
     def add(job: PowerJob) -> dict[str, float]:
@@ -575,23 +577,44 @@ def _exact(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint], step_w:
 # -- greedy on the convex hulls ----------------------------------------------------------------
 
 
-def _hull(job: PowerJob) -> list[PowerPoint]:
-    """The upper concave hull of the candidates in (power, value), from the lowest power up."""
-    power, value = job.candidate_arrays
-    order = np.lexsort((-value, power))
-    ordered = value[order]
-    before = np.concatenate(([-np.inf], np.maximum.accumulate(ordered)[:-1]))
-    kept = order[ordered > before + 1e-15]  # points that add value for more power
+def _warm(jobs: Sequence[PowerJob]) -> None:
+    """Compute the hulls of all `jobs` not yet computed in one vectorised pass, into each job's cache.
+
+    Per job, numpy's call overhead would dominate a pass over a thousand jobs of hundreds of points
+    each; flat arrays over all of them cost a few calls in all. A job's hull only depends on its
+    own fields (it is frozen), so caching it on the job is safe."""
+    cold = [j for j in jobs if _HULL not in j.__dict__]
+    if not cold:
+        return
+    candidates = [j.candidates() for j in cold]
+    flat = [p for c in candidates for p in c]
+    owner = np.repeat(np.arange(len(cold)), [len(c) for c in candidates])
+    times = np.fromiter(map(_TIME, flat), float, len(flat))
+    energies = np.fromiter(map(_ENERGY, flat), float, len(flat))
+    power = energies / times
+    starts = np.searchsorted(owner, np.arange(len(cold)))
+    fastest = np.minimum.reduceat(times, starts) if len(flat) else times
+    for k, job in enumerate(cold):  # a job's fastest point is among its candidates unless an objective filtered
+        if job.candidates() is job.points and "fastest_time_s" not in job.__dict__:
+            job.__dict__["fastest_time_s"] = float(fastest[k])
+    value = np.array([j.weight * j.fastest_time_s for j in cold])[owner] / times
+    order = np.lexsort((-value, power, owner))  # per job: by power, the most valuable first among equals
+    lifted = value[order] + owner[order] * (value.max() + 1.0)  # each job above all earlier ones: one running max
+    before = np.concatenate(([-np.inf], np.maximum.accumulate(lifted)[:-1]))
+    kept = order[lifted > before]  # points that add value for more power (a job's first always does)
     while len(kept) > 2:
-        # A point on or below the chord of its neighbours is no vertex of the hull of the points left,
-        # so all such points can go at once (powers strictly rise along `kept`).
-        x, y = power[kept], value[kept]
-        inner = (y[1:-1] - y[:-2]) * (x[2:] - x[1:-1]) <= (y[2:] - y[1:-1]) * (x[1:-1] - x[:-2])
+        # A point on or below the chord of its neighbours (of its own job) is no vertex of the hull of
+        # the points left, so all such points can go at once; powers strictly rise within a job here.
+        x, y, o = power[kept], value[kept], owner[kept]
+        inner = ((o[:-2] == o[1:-1]) & (o[1:-1] == o[2:])
+                 & ((y[1:-1] - y[:-2]) * (x[2:] - x[1:-1]) <= (y[2:] - y[1:-1]) * (x[1:-1] - x[:-2])))
         if not inner.any():
             break
-        kept = np.concatenate((kept[:1], kept[1:-1][~inner], kept[-1:]))
-    candidates = job.candidates()
-    return [candidates[i] for i in kept.tolist()]
+        kept = kept[np.concatenate(([True], ~inner, [True]))]
+    bounds = np.searchsorted(owner[kept], np.arange(len(cold) + 1)).tolist()
+    indices = kept.tolist()
+    for k, job in enumerate(cold):
+        job.__dict__[_HULL] = tuple(flat[i] for i in indices[bounds[k]:bounds[k + 1]])
 
 
 def _slope(job: PowerJob, a: PowerPoint, b: PowerPoint) -> float:
@@ -599,6 +622,7 @@ def _slope(job: PowerJob, a: PowerPoint, b: PowerPoint) -> float:
 
 
 def _greedy(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> dict[str, PowerPoint]:
+    _warm(jobs)
     hulls = {j.name: j.hull for j in jobs}
     at = {j.name: 0 for j in jobs}
     mine = {j.name: [c for c in constraints if j.name in c.members] for j in jobs}
@@ -623,24 +647,30 @@ def _greedy(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> dic
 
 def _lp_value(jobs: Sequence[PowerJob], limit_w: float) -> float:
     """The LP relaxation's optimum for `jobs` under one budget: fractional hull steps."""
-    hulls = [(j.hull, j) for j in jobs]
-    value = sum(j.value(h[0]) for h, j in hulls)
-    room = limit_w - sum(h[0].power_w for h, _ in hulls)
-    steps = sorted(((j.value(h[k + 1]) - j.value(h[k]), h[k + 1].power_w - h[k].power_w)
-                    for h, j in hulls for k in range(len(h) - 1)), key=lambda s: -s[0] / max(s[1], 1e-12))
-    for gain, watts in steps:
-        if room <= 0:
-            break
-        take = min(1.0, room / watts) if watts > 0 else 1.0
-        value += take * gain
-        room -= take * watts
-    return value
+    _warm(jobs)
+    hulls = [j.hull for j in jobs]
+    owner = np.repeat(np.arange(len(jobs)), [len(h) for h in hulls])
+    times, energies = np.array([(p.time_s, p.energy_j) for h in hulls for p in h], float).reshape(-1, 2).T
+    power = energies / times
+    value = np.array([j.weight * j.fastest_time_s for j in jobs])[owner] / times
+    first = np.concatenate(([True], owner[1:] != owner[:-1]))
+    gains, watts = np.diff(value)[~first[1:]], np.diff(power)[~first[1:]]  # steps within a job
+    order = np.argsort(-gains / np.maximum(watts, 1e-12), kind="stable")  # a job's steps stay in order (concave)
+    gains, watts = gains[order], watts[order]
+    room = limit_w - float(power[first].sum())
+    done = np.cumsum(watts)
+    full = int(np.searchsorted(done, room, side="right"))  # whole steps that fit
+    total = float(value[first].sum()) + float(gains[:full].sum())
+    if room > 0 and full < len(gains):
+        total += gains[full] * (room - (done[full - 1] if full else 0.0)) / watts[full]
+    return total
 
 
 def _lp_bound(jobs: Sequence[PowerJob], constraints: Sequence[_Constraint]) -> float:
     """An upper bound on the optimum: per budget level (disjoint budgets), the LP of each budget plus
     every job outside them at its best; the smallest over the levels."""
-    best = {j.name: float(j.candidate_arrays[1].max()) for j in jobs}
+    _warm(jobs)
+    best = {j.name: j.value(j.hull[-1]) for j in jobs}  # a hull ends at the most valuable candidate
     bounds = [sum(best.values())]
     for level in (0, 1, 2):
         chosen = [c for c in constraints if c.level == level]
