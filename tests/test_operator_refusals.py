@@ -16,7 +16,7 @@ from kubernetes import client, config
 from operator_fakes import conditions, fake_manifest, settings_env
 
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
-NAMESPACES = ["no-sa", "quota", "psa", "stale"]
+NAMESPACES = ["no-sa", "quota", "psa", "stale", "open"]
 BLOCK = "kareus.dev/test-block"
 
 pytestmark = pytest.mark.timeout(300)
@@ -99,6 +99,24 @@ def test_pod_security_restricted_admits_the_workers_and_rejects_a_hostpath_overr
     assert_refused(core, jobs, "psa", "PodSecurityRejected", 'violates PodSecurity "restricted:latest"')
     core.patch_namespace("psa", {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "privileged"}}})
     assert succeeded(wait_job(jobs, "psa", succeeded))
+
+
+def test_the_operator_refuses_an_override_volume_the_policy_does_not_allow_in_any_namespace(api):
+    """Issue 29: the operator's own check, before any pod is asked for, whatever the namespace's Pod
+    Security label ("open" has none): nfs is outside Pod Security restricted's volume types and the
+    dev cluster's policy adds only hostPath (the fakes' shared directory)."""
+    core, jobs = api
+    submit(jobs, "open", overrides=[{"roles": ["profile"], "spec": {
+        "volumes": [{"name": "share", "nfs": {"server": "10.0.0.1", "path": "/"}}],
+        "volumeMounts": [{"name": "share", "mountPath": "/share"}]}}])
+    job = wait_job(jobs, "open", refused_with("OverrideRefused"), timeout_s=30)
+    message = next(c["message"] for c in job["status"]["conditions"] if c["type"] == "Profiled")
+    assert "spec.podTemplateOverrides[0].spec.volumes[0].nfs: volume type nfs is not allowed" in message, message
+    events = wait_until(lambda: warning_events(core, "open", "OverrideRefused"), bool, timeout_s=30,
+                        what="an OverrideRefused Event")
+    assert "volume type nfs is not allowed" in events[0]
+    assert core.list_namespaced_pod("open", label_selector="kareus.dev/job-name=job").items == []
+    assert read_or_none(lambda: client.BatchV1Api(core.api_client).read_namespaced_job("job-profile", "open")) is None
 
 
 def test_a_recreated_job_never_uses_the_old_jobs_children(api):
