@@ -319,3 +319,29 @@ def test_default_preset_does_not_stop_while_a_clock_is_unmeasured():
     result = minimize(problem, get_algorithm("default"), seed=0)
     assert {e.candidate.clock_mhz for e in result.measured} == set(space.clocks_mhz)
     assert result.evaluations < 0.2 * space.size  # and then it does stop
+
+
+def test_neighbours_pass_steps_from_the_front_to_a_configuration_the_surrogate_misjudges():
+    from kareus.search.acquisition import Planes, neighbours_rank
+
+    # Two slots, three SM counts, three clocks. Measured: (6, a) at every clock (the front), and
+    # two dominated points, (3, a) at 1410 and (9, a) at 1200. (6, b) was never measured.
+    space = SearchSpace((1410, 1200, 1000), (3, 6, 9), ("a", "b"))
+    cell = {(c, s, k): (c * 3 + s) * 2 + k for c in range(3) for s in range(3) for k in range(2)}
+    measured = np.array([cell[0, 1, 0], cell[1, 1, 0], cell[2, 1, 0], cell[0, 0, 0], cell[1, 2, 0]])
+    time_s = np.array([1.0, 1.2, 1.5, 1.6, 1.4])
+    effective = np.array([5.0, 4.0, 3.0, 5.6, 4.5])
+    remaining = np.setdiff1d(np.arange(space.size), measured)
+    # The surrogate ranks (6, b) last of all: it has no measurement of that configuration.
+    unseen = np.array([space.configuration_index[g] == 3 for g in remaining])
+    tie_break = np.argsort(unseen, kind="stable")
+    planes = Planes(time_s, effective, np.full(len(remaining), 2.0), np.full(len(remaining), 6.0), 85.0)
+    order = remaining[neighbours_rank(space, measured, planes, remaining, tie_break)]
+    assert sorted(order) == sorted(remaining)
+    # The front's unmeasured neighbours come first, and first of all the never-measured (6, b)
+    # at each front point's clock: the surrogate's ranking does not hide it.
+    assert set(order[:3]) == {cell[0, 1, 1], cell[1, 1, 1], cell[2, 1, 1]}
+    near_front = {cell[c, s, k] for c in range(3) for s, k in ((0, 0), (2, 0), (1, 1))} - set(measured)
+    assert set(order[:len(near_front)]) == near_front
+    # (3, b) and (9, b) are next to no front point: after, in the tie break's order.
+    assert list(order[len(near_front):]) == [g for g in remaining[tie_break] if g not in near_front]

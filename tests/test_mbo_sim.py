@@ -44,3 +44,21 @@ def test_default_preset_reaches_99_percent_of_exhaustive_hypervolume(model, tp, 
         ratio = hypervolume(scale(points(result.frontier))) / hypervolume(scale(points(exhaustive.frontier)))
         assert ratio >= 0.99, (plane, ratio)
     assert {e.candidate.clock_mhz for e in result.measured} == set(problem.space.clocks_mhz)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_default_preset_finds_the_front_ridge_the_trees_mispredict(seed):
+    # Llama 3.2 3B TP8 fwd_attn (720 points): below 1110 MHz the front runs along 12 comm SMs at
+    # the RoPE and attention slots, which the trees predict 7-20 % too slow; without the
+    # neighbours pass seed 0 reached only 0.968 of the exhaustive hypervolume (total energy).
+    problem = _problem("llama3.2-3b", 8, 1, "fwd_attn")
+    exhaustive = minimize(problem, Exhaustive())
+    result = minimize(problem, get_algorithm("default"), seed=seed)
+    assert result.evaluations <= 0.2 * problem.space.size
+    for plane in ("effective", "total"):
+        def points(items, plane=plane):
+            return np.array([(e.time_s, e.effective_energy_j + (problem.p_static_w * e.time_s
+                                                                 if plane == "total" else 0.0)) for e in items])
+        scale = Normaliser.fit(points(exhaustive.measured))
+        ratio = hypervolume(scale(points(result.frontier))) / hypervolume(scale(points(exhaustive.frontier)))
+        assert ratio >= 0.99, (plane, ratio)

@@ -27,7 +27,9 @@ batches drops below `stop_epsilon`. Two presets:
   time constrained to be monotone in the clock; smaller trees (the data are a few dozen points);
   on grids with no more configurations than clocks, the additive surrogate (`additive.py`: a
   clock curve shared by all configurations plus offsets drifting smoothly with the clock) in
-  place of the trees for every pass but the bootstrap uncertainty.
+  place of the trees for every pass but the bootstrap uncertainty; on the other grids (trees)
+  a `neighbours` pass (15 %: the grid neighbours of the measured front, least-measured
+  configuration first) in place of `uncertainty`, taken from `total` and `effective`.
 
 Progress is the hypervolume of the measured front, averaged over the (time, effective energy)
 and (time, total energy) planes, normalised with the bounds of the initial design so that it only
@@ -211,6 +213,13 @@ class MBOSettings:
     carry_quotas: bool = False  # carry each pass's unspent share of a batch to the next
     # Set: the surrogate on grids with no more configurations than clocks (trees elsewhere).
     additive: AdditiveSettings | None = None
+    # Set: the pass shares on grids with more configurations than clocks (`fractions` elsewhere).
+    many_fractions: Mapping[str, float] | None = None
+
+    def fractions_for(self, space: SearchSpace) -> Mapping[str, float]:
+        if self.many_fractions is not None and not space.few_configurations:
+            return self.many_fractions
+        return self.fractions
 
 
 def _paper_budget(problem: Problem) -> Budget:
@@ -276,6 +285,7 @@ class MultiPassMBO(Algorithm):
     def _select(self, problem: Problem, archive: _Archive, size: int, seed: int,
                 owed: dict[str, float]) -> tuple[np.ndarray, list[str], dict[str, float]]:
         settings, space = self.settings, problem.space
+        shares = settings.fractions_for(space)
         measured = np.asarray(archive.indices)
         remaining = np.setdiff1d(np.arange(space.size), measured)
         features = space.features
@@ -283,17 +293,17 @@ class MultiPassMBO(Algorithm):
         predict = self._surrogate(space, measured, time_s, effective_j, seed)
         prediction = predict(remaining)
         # Transfer votes on the fit at measured points; no other pass needs it.
-        fitted = predict(measured) if settings.fractions.get("transfer", 0) > 0 else None
+        fitted = predict(measured) if shares.get("transfer", 0) > 0 else None
         uncertainty = None
-        if settings.fractions.get("uncertainty", 0) > 0:
+        if shares.get("uncertainty", 0) > 0:
             uncertainty = bootstrap_uncertainty(
                 settings.trees, features[measured], time_s, effective_j, features[remaining],
                 members=settings.ensemble_members, fraction=settings.ensemble_fraction, seed=seed)
         planes = Planes(time_s, effective_j, prediction.time_s, prediction.effective_energy_j, problem.p_static_w,
                         *((fitted.time_s, fitted.effective_energy_j) if fitted is not None else ()))
-        passes = [name for name, share in settings.fractions.items() if share > 0]
+        passes = [name for name, share in shares.items() if share > 0]
         rankings = rank_passes(planes, uncertainty, (space, measured, remaining), passes)
-        fractions = adapt_transfer(settings.fractions, configuration_coverage(space, measured), settings.transfer_max)
+        fractions = adapt_transfer(shares, configuration_coverage(space, measured), settings.transfer_max)
         if settings.carry_quotas:
             quotas, owed = carried_batch_sizes(size, fractions, owed)
         else:
@@ -309,6 +319,9 @@ PRESETS: dict[str, MBOSettings] = {
         budget=GridBudget(init_per_clock=1, batch_fraction=0.02, max_fraction=0.2, sweep_max_share=0.3).for_problem,
         design="stratified",
         fractions={"transfer": 0.6, "total": 0.1, "effective": 0.15, "extremes": 0.1, "uncertainty": 0.05},
+        # The trees cannot carry one configuration's measurements to the other clocks, so a front
+        # ridge they mispredict is found by stepping from the measured front instead.
+        many_fractions={"transfer": 0.6, "neighbours": 0.15, "total": 0.05, "effective": 0.1, "extremes": 0.1},
         trees=TreeSettings(max_depth=4, eta=0.3, rounds=40, monotone_clock=True),
         max_grid_fraction=0.2,
         transfer_max=0.75,
