@@ -46,9 +46,9 @@ from kareus_devcluster.controlplane import (
     Started,
     last_lines,
     stop_process,
+    wait_crd_established,
 )
 from kareus_devcluster.images import cache_dir, node_images
-    wait_crd_established,
 from kareus_devcluster.kueue import DevKueue, quota_objects
 from kareus_devcluster.node import SIM_GPU_DIR, Credentials, NodeSpec, RealNode, image_store
 from kareus_devcluster.prometheus import DevPrometheus, install_monitoring
