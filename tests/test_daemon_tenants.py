@@ -197,6 +197,42 @@ def test_without_the_signing_keys_it_fails_closed(node):
     assert reply["error"]["code"] == "unavailable" and "token signing keys" in reply["error"]["message"]
 
 
+def test_the_signing_keys_are_asked_for_in_the_media_type_the_api_server_serves(tmp_path):
+    """The real API server answers /openid/v1/jwks only as application/jwk-set+json (406 otherwise)."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kareus_node.jwks import TokenVerifier
+    from kareus_node.kubeapi import KubeAPI
+
+    api = FakeAPIServer()
+    accepts = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            accepts.append(self.headers.get("Accept"))
+            ok = self.path == "/openid/v1/jwks" and self.headers.get("Accept") == "application/jwk-set+json"
+            body = json.dumps(api.get(self.path, accept="application/jwk-set+json")).encode() if ok else b"{}"
+            self.send_response(200 if ok else 406)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        kube = KubeAPI(f"http://127.0.0.1:{server.server_address[1]}", token_path=str(tmp_path / "none"),
+                       ca_path=str(tmp_path / "none"))
+        pod = FakePod("team-a", "llama-0", abuse.pod_uid(1), "10.0.0.1", [])
+        assert TokenVerifier(kube, audience="kareus-node").problem(api.token(pod)) == ""
+        assert accepts == ["application/jwk-set+json"]
+    finally:
+        server.shutdown()
+
+
 # ---------------------------------------------------------------- item 4: token replay, clock floor
 
 
