@@ -4,6 +4,8 @@ binding on the real nodes is tested in tests/test_checkpoint_resume.py."""
 
 from __future__ import annotations
 
+import inspect
+
 from kareus_devcluster.storage import (
     PROVISIONER,
     SELECTED_NODE,
@@ -74,3 +76,23 @@ def test_provisioning_makes_a_writable_directory_in_the_nodes_var(tmp_path):
     assert "node elsewhere is not one of the dev cluster's" in provisioner.errors[-1]
     provisioner._delete(created[0][2])
     assert not directory.exists() and created[-1][0] == "DELETE"
+
+
+def test_a_sync_pass_provisions_waiting_claims_and_deletes_released_volumes(tmp_path):
+    requests = []
+    released = persistent_volume(claim(metadata__uid="u-2"), "node-0") | {"status": {"phase": "Released"}}
+    listed = {"/api/v1/persistentvolumeclaims": {"items": [claim(), claim(status__phase="Bound")]},
+              "/api/v1/persistentvolumes": {"items": [released]}}
+
+    class Provisioner(LocalPathProvisioner):
+        def _request(self, *args, **kwargs):
+            # every call must fit the real method's signature (a GET passes no body)
+            bound = inspect.signature(LocalPathProvisioner._request).bind(self, *args, **kwargs)
+            method, url_path = bound.arguments["method"], bound.arguments["url_path"]
+            requests.append((method, url_path))
+            return listed.get(url_path, {}) if method == "GET" else {}
+
+    Provisioner(None, {"node-0": tmp_path}.get).sync()  # type: ignore[arg-type]
+    assert ("POST", "/api/v1/persistentvolumes") in requests  # the Pending, placed claim
+    assert requests.count(("POST", "/api/v1/persistentvolumes")) == 1  # not the Bound one
+    assert ("DELETE", "/api/v1/persistentvolumes/pvc-u-2") in requests

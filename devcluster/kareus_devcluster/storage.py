@@ -105,8 +105,8 @@ class LocalPathProvisioner:
         while not self._stop.wait(POLL_S):
             try:
                 self.sync()
-            except (OSError, urllib.error.URLError, ssl.SSLError, ValueError) as error:
-                self.errors.append(f"{type(error).__name__}: {error}")  # the API may be restarting: try again
+            except Exception as error:  # the API may be restarting: record it, try again
+                self.errors.append(f"{type(error).__name__}: {error}")
 
     def sync(self) -> None:
         """One pass: a volume for every claim waiting on its node, none left for a deleted claim."""
@@ -138,7 +138,7 @@ class LocalPathProvisioner:
             shutil.rmtree(root / volume["spec"]["local"]["path"].lstrip("/"), ignore_errors=True)
         self._request("DELETE", f"/api/v1/persistentvolumes/{volume['metadata']['name']}", None, exists_ok=True)
 
-    def _request(self, method: str, url_path: str, body: Any, *, exists_ok: bool = False) -> Any:
+    def _request(self, method: str, url_path: str, body: Any = None, *, exists_ok: bool = False) -> Any:
         admin = self.control_plane.admin
         assert admin is not None, "the control plane is not started"
         context = ssl.create_default_context(cafile=str(self.control_plane.ca_file))
