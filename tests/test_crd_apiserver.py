@@ -40,7 +40,8 @@ IMMUTABLE = "spec: Forbidden: is immutable once training started, except objecti
 # Every printer column filled in, so that the rows kubectl prints split into one value per column.
 STATUS = {"phase": "Training", "objective": "maxThroughput", "trainingStartTime": "2026-01-01T00:00:00Z",
           "plan": {"predictedIterationSeconds": 1.25, "predictedIterationJoules": 3000.5},
-          "measured": {"energyJoules": 12345, "iterations": 3}, "profile": {"key": "p-abc123"}}
+          "measured": {"energyJoules": 12345, "iterations": 3, "percentComplete": 37.5, "etaSeconds": 6.25},
+          "profile": {"key": "p-abc123"}}
 WATCH_TIMEOUT_S = 30.0
 
 pytestmark = pytest.mark.usefixtures("kareusjob_crd")
@@ -170,10 +171,11 @@ def test_kubectl_get_prints_the_printer_columns(kubectl, kube_client, namespace)
     create_quickstart(kube_client, namespace, STATUS)
     header, row = kubectl("get", "kj", "-n", namespace).stdout.splitlines()
     assert split_row(header) == headers()
-    assert split_row(row)[:-1] == ["quickstart", "Training", "maxThroughput", "1.25", "3000.5", "12345"]
+    assert split_row(row)[:-1] == ["quickstart", "Training", "maxThroughput", "1.25", "3000.5", "12345", "37.5",
+                                   "6.25"]
     header, row = kubectl("get", "kareus", "-n", namespace, "-o", "wide").stdout.splitlines()  # by category
     assert split_row(header) == headers(wide=True)
-    assert split_row(row)[7:] == ["tiny", "1", "2", "8", "3", "p-abc123", "false"]
+    assert split_row(row)[9:] == ["tiny", "1", "2", "8", "3", "p-abc123", "false"]
 
 
 class Lines:
@@ -216,9 +218,9 @@ def test_kubectl_get_watch_keeps_the_printer_columns(control_plane, kube_client,
     header, *rows = (split_row(line) for line in printed)
     assert header == headers()
     assert [row[:-1] for row in rows] == [
-        ["quickstart", "Training", "maxThroughput", "1.25", "3000.5", "12345"],
-        ["quickstart", "Succeeded", "maxThroughput", "1.25", "3000.5", "20000"],
-        ["quickstart", "Succeeded", "maxThroughput", "1.25", "3000.5", "20000"],
+        ["quickstart", "Training", "maxThroughput", "1.25", "3000.5", "12345", "37.5", "6.25"],
+        ["quickstart", "Succeeded", "maxThroughput", "1.25", "3000.5", "20000", "37.5", "6.25"],
+        ["quickstart", "Succeeded", "maxThroughput", "1.25", "3000.5", "20000", "37.5", "6.25"],
     ]
     assert all(re.fullmatch(r"\d+[smhd]\S*", row[-1]) for row in rows), rows  # Age, a duration
 
