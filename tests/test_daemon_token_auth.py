@@ -284,9 +284,12 @@ def test_a_deleted_pods_lease_is_released_when_its_token_stops_validating(cluste
     with DaemonConnection(f"tcp://{tcp_daemon.address}", token_file=_write_token(tmp_path, cluster, pod)) as connection:
         connection.lock([GPU[0]], 1200, wait=True)
         assert tcp_daemon.metric(GPU_LOCKED_CLOCK_HERTZ, gpu_uuid=GPU[0]) == 1.2e9
-        cluster.delete_pod("train-0")  # the fake kubelet still lists it: the token review must notice
+        cluster.delete_pod("train-0")  # the fake kubelet still lists it: the token review or the pod list must notice
         wait_for(lambda: tcp_daemon.metric(GPU_LOCKED_CLOCK_HERTZ, gpu_uuid=GPU[0]) == 0, timeout_s=20)
-        with pytest.raises(DaemonError, match="TokenReview"):
+        # The session is closed with one note saying why: whichever noticed first, the review (the
+        # API server may still validate the token for a moment) or the pod list, which the daemon
+        # trusts for podRecheckSeconds at most (test_the_recheck_re_reviews_the_token… checks the review alone).
+        with pytest.raises(DaemonError, match=r"TokenReview|is not scheduled on this node"):
             connection.lock([GPU[0]], 1200)
 
 
