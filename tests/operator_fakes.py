@@ -9,7 +9,7 @@ profiling and optimizing take. `FAKE_PLAN_FILE` (optional): a real plan document
 the fake optimize writes instead of its stand-in. A training run stops early when the file
 `FAKE_STATE_DIR/<job>.finish` exists, and records the plan's `selected_row` it read last (the plan
 file is re-read every step, as a runtime watching it would) in `FAKE_STATE_DIR/<job>.row`, and every
-step it ran in `FAKE_STATE_DIR/<job>.executed`. With `--checkpoint-dir` it keeps checkpoints as the
+step it ran in `FAKE_STATE_DIR/<job>.executed` (and the step each run started at in `<job>.runs`). With `--checkpoint-dir` it keeps checkpoints as the
 runtime lays them out (`step-N/kareus-checkpoint.json`, every `--checkpoint-every` steps and on
 SIGTERM, which ends the run after its current step with exit 143) and resumes from the newest.
 
@@ -179,6 +179,8 @@ def main() -> int:
         start = _latest_checkpoint(checkpoints) if checkpoints else 0
         stopping: list[int] = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))  # finish the step, save, exit 143
+        with open(state / f"{job}.runs", "a") as runs:  # the step every run started at
+            runs.write(f"{start}\n")
         with open(out / "train.jsonl", "a") as log:
             for step in range(start, steps):
                 if (state / f"{job}.finish").exists():
