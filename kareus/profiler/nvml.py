@@ -131,7 +131,7 @@ def cuda_uuids() -> list[str]:
 
 def devices_of_cuda(devices: Sequence[GPUDevice], uuids: Sequence[str], num_gpus: int) -> list[GPUDevice]:
     """The NVML devices of the first `num_gpus` CUDA devices (`uuids` in CUDA order), by UUID."""
-    from kareus.runtime.energy import gpu_for_cuda_uuid
+    from kareus.gpu.pairing import gpu_for_cuda_uuid
 
     if len(uuids) < num_gpus:
         raise KareusError(f"the job needs {num_gpus} GPUs per partition group; CUDA sees {len(uuids)}")

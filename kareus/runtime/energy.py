@@ -30,16 +30,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kareus.errors import KareusError
+from kareus.gpu.pairing import gpu_for_cuda_uuid
 from kareus.runtime.schedule import RunInstruction, Schedule
 from kareus.workload.partitions import Workload
 
 if TYPE_CHECKING:
-    from kareus.gpu import GPUDevice
     from kareus.gpu.simdevice import SharedSimulatedGPU
     from kareus.sim.paramsfile import SimCalibration
 
@@ -92,39 +92,6 @@ def pipeline_time_s(schedule: Schedule, times_s: list[list[float]]) -> float:
     from kareus.sim.replica import pipeline_time_s as dag_time_s
 
     return dag_time_s(schedule.stages, times_s)
-
-
-class EnergyAttributionError(KareusError):
-    """This rank's energy cannot be attributed to its own GPU (unknown UUID, MIG)."""
-
-
-def _bare_uuid(uuid: str) -> str:
-    """NVML says `GPU-<uuid>` / `MIG-<uuid>`, torch the bare `<uuid>`."""
-    uuid = uuid.strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if uuid.startswith(prefix):
-            return uuid[len(prefix):]
-    return uuid
-
-
-def gpu_for_cuda_uuid(cuda_uuid: str, devices: Sequence[GPUDevice]) -> GPUDevice:
-    """The NVML device whose UUID is the CUDA device's; `EnergyAttributionError` otherwise."""
-    matches = [d for d in devices if _bare_uuid(d.uuid) == _bare_uuid(cuda_uuid)]
-    mig = [d for d in devices if d.is_mig_enabled()]
-    if matches and matches[0].is_mig_enabled():
-        raise EnergyAttributionError(
-            f"GPU {matches[0].uuid} runs in MIG mode: NVML's energy counter covers the whole card, not this "
-            f"instance, so its energy cannot be measured; disable MIG or train on a full GPU")
-    if not matches:
-        if mig:
-            raise EnergyAttributionError(
-                f"CUDA device {cuda_uuid} is not a full GPU NVML sees; MIG is enabled on "
-                f"{', '.join(d.uuid for d in mig)} and NVML cannot measure one MIG instance's energy")
-        known = ", ".join(d.uuid for d in devices) or "none"
-        raise EnergyAttributionError(
-            f"CUDA device {cuda_uuid} is not among the GPUs NVML sees ({known}); refusing to read another GPU's "
-            f"energy counter (do CUDA_VISIBLE_DEVICES and the container's NVML view disagree?)")
-    return matches[0]
 
 
 class MeasuredEnergy:

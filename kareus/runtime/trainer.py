@@ -37,13 +37,14 @@ import torch.distributed as dist
 
 from kareus.daemon_client import ClockClient, DaemonConnection, DaemonError, NullClockClient, connect
 from kareus.errors import KareusError
+from kareus.gpu.pairing import EnergyAttributionError
 from kareus.plan import plan_at_row
 from kareus.runtime import stopping
 from kareus.runtime.checkpoint import Checkpointer, CheckpointSettings, Identity, Resumed, TrainState
 from kareus.runtime.clocking import CudaProgress, HostProgress
 from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, TokenData, load_data
-from kareus.runtime.energy import EnergyAttributionError, MeasuredEnergy, SimulatedEnergy, TwinEnergy
+from kareus.runtime.energy import MeasuredEnergy, SimulatedEnergy, TwinEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
 from kareus.runtime.gradsync import all_reduce_bucketed
 from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
