@@ -173,6 +173,8 @@ def main() -> int:
         out = Path(_arg("--out"))
         job = os.environ.get("KAREUS_JOB_NAME", "job")
         state = Path(os.environ.get("FAKE_STATE_DIR", out))
+        if not state.is_dir():  # no shared hostPath (a restricted namespace): the records stay beside the output
+            state = out
         checkpoints = Path(_arg("--checkpoint-dir")) if "--checkpoint-dir" in sys.argv else None
         every = int(_arg("--checkpoint-every")) if "--checkpoint-every" in sys.argv else 0
         keep = int(_arg("--checkpoint-keep")) if "--checkpoint-keep" in sys.argv else 2
