@@ -51,7 +51,8 @@ QUICKSTART_GPUS = 4  # one training pod, one rank per GPU (tensor parallel 4)
 EMPTY_WHEN_HEALTHY = {"Refused clock requests"}
 # What a value in a panel's unit may be (the simulated A100 idles at 85 W and clocks up to 1410 MHz).
 UNIT_RANGE = {"watt": (0.0, 8 * 1000.0), "kwatth": (0.0, 1.0), "joule": (0.0, 1e7), "hertz": (1e8, 3e9),
-              "s": (0.0, 3600.0), "none": (0.0, 1e9), "ops": (0.0, 1e4), "reqps": (0.0, 1e5)}
+              "s": (0.0, 3600.0), "none": (0.0, 1e9), "ops": (0.0, 1e4), "reqps": (0.0, 1e5),
+              "percentunit": (0.0, 1.0)}
 
 
 @pytest.fixture(scope="module")

@@ -77,9 +77,13 @@ def test_the_agent_listens_on_the_node_address_at_the_port_the_operator_uses(obj
 
 
 def test_the_agent_may_review_tokens_and_nothing_more_than_that(objects):
+    """By default: its node's pods, TokenReviews, and the keys tokens are signed with (checked locally
+    before a review is asked for); SubjectAccessReviews only with metricsAuth."""
     role = objects["default"][("ClusterRole", "", "kareus-node-agent")]
-    assert {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]} in role["rules"]
-    assert not any("subjectaccessreviews" in rule["resources"] for rule in role["rules"])
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+        {"nonResourceURLs": ["/openid/v1/jwks"], "verbs": ["get"]}]
 
 
 def test_no_system_node_critical_and_an_own_priority_class_on_request(objects):
