@@ -56,6 +56,7 @@ from kareus_node.pods import JOB_LABEL, PodDirectory  # noqa: E402
 from kareus_node.server import Daemon  # noqa: E402
 
 from kareus.daemon_client import DaemonError, protocol  # noqa: E402
+from kareus.daemon_client.connection import receive_frame  # noqa: E402
 from kareus.gpu import discover  # noqa: E402
 
 NODE = "node-a"
@@ -292,20 +293,9 @@ def raw_tcp(address: str, *, source_ip: str = "127.0.0.1", timeout_s: float = 5.
 def recv_reply(sock: socket.socket) -> dict[str, Any] | None:
     """The next reply on a raw socket, None when closed."""
     try:
-        header = _recv_exact(sock, protocol.HEADER.size)
-        return protocol.decode_body(_recv_exact(sock, protocol.frame_length(header)))
-    except (EOFError, OSError):
+        return receive_frame(sock)
+    except (DaemonError, OSError):
         return None
-
-
-def _recv_exact(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
-    return data
 
 
 def forged_token(api: FakeAPIServer, pod: FakePod) -> str:

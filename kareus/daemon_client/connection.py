@@ -136,6 +136,13 @@ def _recv_exact(sock: socket.socket, count: int) -> bytes:
     return bytes(chunks)
 
 
+def receive_frame(sock: socket.socket) -> dict[str, Any]:
+    """One frame's body off a raw socket (`DaemonError` when the daemon closed it, `ProtocolError` for a
+    malformed frame, `OSError` from the socket)."""
+    length = protocol.frame_length(_recv_exact(sock, protocol.HEADER.size))
+    return protocol.decode_body(_recv_exact(sock, length))
+
+
 class DaemonConnection:
     """A connection to `kareus-node` at `endpoint`: a Unix socket path or ``tcp://HOST:PORT``.
 
@@ -220,8 +227,7 @@ class DaemonConnection:
     def receive(self) -> dict[str, Any]:
         """The next answer from the daemon (any id)."""
         try:
-            length = protocol.frame_length(_recv_exact(self._sock, protocol.HEADER.size))
-            return protocol.decode_body(_recv_exact(self._sock, length))
+            return receive_frame(self._sock)
         except protocol.ProtocolError as error:
             raise DaemonError(error.code, f"bad answer: {error}") from None
         except OSError as error:  # includes socket.timeout
