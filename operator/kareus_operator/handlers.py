@@ -6,8 +6,9 @@
   drive progress without polling); they are watched with that label selector on the server, so
   the operator never reads the namespaces' other ConfigMaps and pods (kopf's label filters are
   client-side);
-- the cluster power budget (`kareus_operator.power`): status changes that matter to it, deletions
-  and the resync request an allocation pass, whose changed allotments reconcile their jobs;
+- the cluster power budget (`kareus_operator.power`): status changes that matter to it, deletions,
+  the resync and training pods coming or going (their clock ceilings) request an allocation pass,
+  whose changed allotments reconcile their jobs;
 - a job's DELETED event forgets its metrics; the children go with the job through
   ownerReferences. There is no deletion handler, hence no finalizer: nothing has to happen
   before a job may go, so an uninstalled operator never blocks a job's (or its namespace's)
@@ -33,6 +34,8 @@ import aiohttp
 import kopf
 
 from kareus_operator import conditions as cond
+from kareus_operator.admission_check import EnergyAdmissionCheck
+from kareus_operator.clock_ceilings import CeilingPublisher
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
 from kareus_operator.power import PowerAllocator, signature
@@ -56,9 +59,17 @@ class Controller:
         self.metrics = metrics or OperatorMetrics()
         self.reconciler = Reconciler(kube, settings, self.metrics)
         # The cluster power budget: passes over all jobs; each job's reconcile applies its allotment.
-        self.power = PowerAllocator(kube, self.reconciler.policy, self.metrics, settings.watch_namespaces)
+        self.power = PowerAllocator(kube, self.reconciler.policy, self.metrics, settings.watch_namespaces,
+                                    ceilings=CeilingPublisher(kube, settings.clock_ceilings_namespace,
+                                                              settings.clock_ceilings_configmap))
         self.power.on_change = self._spawn
         self.reconciler.power = self.power
+        # Namespace energy ledgers (written on measurement, deletion and resync) and the Kueue
+        # admission check that holds queued jobs for their budgets.
+        self.ledgers = self.reconciler.ledgers
+        self.ledgers.on_write = self.metrics.observe_ledger
+        self.admission = EnergyAdmissionCheck(kube, self.ledgers, self.power, settings.watch_namespaces)
+        self.reconciler.admission = self.admission
         self._running: set[tuple[str, str]] = set()
         self._dirty: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -217,6 +228,8 @@ class Controller:
                     job = (meta.get("labels") or {}).get(LABEL_JOB)
                     if job:
                         self._spawn((meta["namespace"], job))
+                    if plural == "pods":
+                        self.power.pod_event(event)  # a training pod came or went: its clock ceiling
             except (ApiError, aiohttp.ClientError, TimeoutError, ValueError) as error:
                 log.warning("watch of %s failed (%r); relisting", plural, error)
                 await asyncio.sleep(_RETRY_S)
@@ -233,12 +246,42 @@ class Controller:
                     continue
                 for job in jobs:
                     self._spawn((job["metadata"]["namespace"], job["metadata"]["name"]))
+            await self._sync_ledgers(namespaces)
             self.power.request()
 
+    async def _sync_ledgers(self, namespaces: list[str]) -> None:
+        """Roll the ledgers' periods, write their budgets, and drop the meters of jobs deleted while
+        no operator watched: every watched namespace with a budget or a ledger."""
+        try:
+            policy = await self.reconciler.policy()
+            known = set(await self.ledgers.namespaces())
+        except Exception as error:  # no ledger CRD (an older chart): budgets fall back to nothing stored
+            log.warning("resync: cannot list KareusEnergyLedgers: %r", error)
+            return
+        wanted = known | set(policy.namespace_energy_budgets_kwh)
+        for namespace in sorted(wanted if not namespaces else wanted & set(namespaces)):
+            try:
+                await self.ledgers.sync(namespace)
+            except Exception as error:
+                log.warning("resync: ledger of %s not synced: %r", namespace, error)
+
     def forget_job(self, body: Mapping[str, Any]) -> None:
+        # The deleted job's last status charges what it spent since its last record; its energy stays.
+        task = asyncio.ensure_future(self._record_deleted(body))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self.admission.request()  # its promise on the namespace's budget is gone
         self.metrics.forget(body["metadata"]["uid"])
         self.power.request()  # its power goes to the others
         self._forget((body["metadata"]["namespace"], body["metadata"]["name"]))
+
+
+    async def _record_deleted(self, body: Mapping[str, Any]) -> None:
+        try:
+            await self.ledgers.record(body, gone=True)
+        except Exception as error:  # the next resync drops the meter; what it spent since is lost
+            log.warning("ledger: deleted job %s/%s not recorded: %r", body["metadata"]["namespace"],
+                        body["metadata"]["name"], error)
 
 
 def configure(settings: kopf.OperatorSettings, resync_s: float) -> None:

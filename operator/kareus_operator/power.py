@@ -24,6 +24,10 @@ of a held job.
 
 Between a pass that admits a new job and the write of that job's status, the pass keeps the job's
 in-flight status (`_pending`), so a second pass in that window still counts it.
+
+Each pass also hands the allotted rows to the clock-ceiling publisher (`clock_ceilings`), which
+puts every training pod's ceiling where the node agents enforce it; a training pod appearing or
+going (`pod_event`) requests a pass for that.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from kareus.power_budget import Allocation, Allotment, PowerJob, allocate
 from kareus.spec import JobSpec, SpecError, parse_job
 from kareus_operator import conditions as cond
 from kareus_operator import manifests as mf
+from kareus_operator.clock_ceilings import CeilingJob, CeilingPublisher
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.settings import ANNOTATION_PLAN_REVISION
 
@@ -167,9 +172,13 @@ class PowerAllocator:
     """Allocation passes over the watched KareusJobs; `apply` puts a job's allotment into effect."""
 
     def __init__(self, kube: Kube, policy: Callable[[], Awaitable[ClusterPolicy]],
-                 metrics: OperatorMetrics | None = None, namespaces: Sequence[str] = ()) -> None:
+                 metrics: OperatorMetrics | None = None, namespaces: Sequence[str] = (),
+                 ceilings: CeilingPublisher | None = None) -> None:
         self.kube, self._policy, self.metrics = kube, policy, metrics
         self.namespaces = tuple(namespaces)
+        self.ceilings = ceilings
+        self._ceiling_jobs: dict[str, CeilingJob] = {}  # job uid → its allotted row, for the pod ceilings
+        self._warned_advisory = False
         self.allocation: Allocation | None = None
         self.on_change: Callable[[Key], None] | None = None  # the controller's reconcile spawner
         self._entries: dict[Key, _Entry] = {}
@@ -185,6 +194,11 @@ class PowerAllocator:
         """A pass is due (run by `run_forever` soon, collapsed with other requests)."""
         self._wanted.set()
 
+    def pod_event(self, event: Mapping[str, Any]) -> None:
+        """A watched pod changed: a pass is due when that changes which pods have ceilings."""
+        if self.ceilings is not None and self.ceilings.pod_event_matters(event):
+            self.request()
+
     async def run_forever(self) -> None:
         """Requested passes, and a pass whenever the policy's budget changes."""
         while True:
@@ -192,7 +206,7 @@ class PowerAllocator:
                 await asyncio.wait_for(self._wanted.wait(), timeout=POLICY_CHECK_S)
             try:
                 budget = (await self._policy()).power_budget
-                if self._wanted.is_set() or budget != self._budget:
+                if self._wanted.is_set() or budget != self._budget or (self.ceilings and self.ceilings.stale):
                     self._wanted.clear()
                     await self.run_pass()
             except (ApiError, OSError, TimeoutError, KareusError) as error:
@@ -215,6 +229,7 @@ class PowerAllocator:
                 self._pending[job_key(current)] = (str(current["metadata"].get("resourceVersion", "")), status)
             listed = await self._list()
             changed = self._allocate_jobs(listed, budget, await self._plans_of(listed, budget))
+            await self._publish_ceilings(budget)
         for key in changed:
             if self.on_change is not None and (current is None or key != job_key(current)):
                 self.on_change(key)
@@ -278,10 +293,10 @@ class PowerAllocator:
         old = self._entries
         self._budget = budget
         if not budget.enabled:
-            self.allocation, self._entries = None, {}
+            self.allocation, self._entries, self._ceiling_jobs = None, {}, {}
             self._observe(None, budget)
             return [job_key(j) for j in jobs if (j.get("status") or {}).get("power") is not None or job_key(j) in old]
-        members, objectives = [], {}
+        members, objectives, specs = [], {}, {}
         for job in admission_order([j for j in jobs if eligible(j) and job_key(j) in plans]):
             try:
                 spec = parse_job(_manifest(job)).spec
@@ -289,11 +304,17 @@ class PowerAllocator:
             except (SpecError, KareusError) as error:
                 log.info("%s/%s: not in the power allocation: %s", *job_key(job), error)
                 continue
-            objectives[job_key(job)] = objective_text(spec)
+            objectives[job_key(job)], specs[job_key(job)] = objective_text(spec), (job["metadata"]["uid"], spec)
         allocation = allocate(members, budget)
         self.allocation = allocation
         keys = {f"{ns}/{name}": (ns, name) for ns, name in objectives}
         self._entries = {keys[a.name]: _Entry(a, objectives[keys[a.name]]) for a in allocation.allotments}
+        self._ceiling_jobs = {}
+        for key, entry in self._entries.items():
+            if entry.allotment.row is not None:
+                uid, spec = specs[key]
+                self._ceiling_jobs[uid] = CeilingJob(key[0], uid, plans[key], entry.allotment.row,
+                                                     spec.training.gpus_per_node, spec.training.nodes)
         self._observe(allocation, budget)
         wake = []
         by_key = {job_key(j): j for j in jobs}
@@ -303,6 +324,15 @@ class PowerAllocator:
                 wake.append(key)
         wake += [key for key in old if key not in self._entries and key in by_key]
         return wake
+
+    async def _publish_ceilings(self, budget: PowerBudget) -> None:
+        if self.ceilings is None:
+            return
+        if budget.enabled and not self.ceilings.enabled and not self._warned_advisory:
+            self._warned_advisory = True
+            log.warning("a power budget is set but no clock-ceiling ConfigMap (KAREUS_OPERATOR_CLOCK_CEILINGS_NAMESPACE): "
+                        "the node agents do not enforce it")
+        await self.ceilings.publish(self._ceiling_jobs, self.namespaces)
 
     def _observe(self, allocation: Allocation | None, budget: PowerBudget) -> None:
         if self.metrics is not None:

@@ -63,6 +63,11 @@ class Settings:
     publish_command: tuple[str, ...] = ("kareus-operator", "publish")
     policy_configmap: str = "kareus-policy"
     policy_namespace: str = "kareus-system"
+    # Where the node agents read the per-pod clock ceilings that enforce the power budget (their own
+    # namespace, which tenants cannot write; the chart's nodeAgent.namespace.name). Empty: not published,
+    # and a power budget stays advisory (the operator warns).
+    clock_ceilings_namespace: str = ""
+    clock_ceilings_configmap: str = "kareus-clock-ceilings"
     # The node daemon's TCP port on every GPU node (the chart's nodeAgent.port).
     node_daemon_port: int = 9477
     # /dev/shm of GPU pods: a memory-backed emptyDir (NCCL's shared-memory transport needs far
@@ -110,7 +115,12 @@ class Settings:
         return settings
 
     def check(self) -> None:
-        """Cross-field rules: the GPU pods' memory holds their /dev/shm."""
+        """Cross-field rules: the GPU pods' memory holds their /dev/shm; names the API server accepts."""
+        for name, pattern, what in (("clock_ceilings_namespace", _DNS_LABEL, "a namespace name (RFC 1123 label)"),
+                                    ("clock_ceilings_configmap", _DNS_SUBDOMAIN, "a ConfigMap name (RFC 1123 subdomain)")):
+            value = getattr(self, name)
+            if (value or name != "clock_ceilings_namespace") and not pattern.fullmatch(value):
+                raise KareusError(f"KAREUS_OPERATOR_{name.upper()}: must be {what}, got {value!r}")
         shm, request = memory_bytes("shm_size", self.shm_size), memory_bytes("gpu_pod_memory_request",
                                                                               self.gpu_pod_memory_request)
         limit = memory_bytes("gpu_pod_memory_limit", self.gpu_pod_memory_limit)
@@ -127,6 +137,8 @@ class Settings:
                               f"({self.optimize_pod_memory_limit}), got {self.optimize_pod_memory_request}")
 
 
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _MEMORY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _FACTORS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
