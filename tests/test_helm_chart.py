@@ -561,6 +561,8 @@ def test_disabling_the_node_agent_removes_all_of_it(objects):
     assert added == set() and changed == set()
     assert removed == {("Namespace", "", AGENT_NS), ("ServiceAccount", AGENT_NS, "kareus-node-agent"),
                        ("ClusterRole", "", "kareus-node-agent"), ("ClusterRoleBinding", "", "kareus-node-agent"),
+                       ("Role", AGENT_NS, "kareus-node-agent-clock-ceilings"),
+                       ("RoleBinding", AGENT_NS, "kareus-node-agent-clock-ceilings"),
                        ("ConfigMap", AGENT_NS, "kareus-node-agent"), ("Service", AGENT_NS, "kareus-node-agent-metrics"),
                        ("DaemonSet", AGENT_NS, "kareus-node-agent")}
 

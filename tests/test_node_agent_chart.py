@@ -23,7 +23,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "ownPriorityClass": {"nodeAgent": {"priorityClass": {"create": True, "value": 2000000}}},
     "existingPriorityClass": {"nodeAgent": {"priorityClassName": "gpu-infrastructure"}},
     "capabilities": {"nodeAgent": {"securityMode": "capabilities"}},
+    "namespaced": {"operator": {"args": {"watchNamespaces": ["team-a"]}}},
+    "agentNamespaceExternal": {"nodeAgent": {"namespace": {"create": False, "name": "gpu-system"}}},
+    "noCeilings": {"operator": {"publishClockCeilings": False}},
+    "noNodeAgent": {"nodeAgent": {"enabled": False}},
 }
+CEILINGS = "kareus-clock-ceilings"
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +91,55 @@ def test_the_agent_may_review_tokens_and_nothing_more_than_that(objects):
         {"nonResourceURLs": ["/openid/v1/jwks"], "verbs": ["get"]}]
 
 
+def namespaced_rules(objs, namespace: str, subject: str) -> list[dict]:
+    """The rules the Roles bound in `namespace` give ServiceAccount `subject`."""
+    bound = {o["roleRef"]["name"] for (kind, ns, _), o in objs.items() if kind == "RoleBinding" and ns == namespace
+             and any(s["name"] == subject for s in o["subjects"])}
+    return [rule for (kind, ns, name), o in objs.items() if kind == "Role" and ns == namespace and name in bound
+            for rule in o["rules"]]
+
+
+@pytest.mark.parametrize(("name", "agent_ns"), [("default", AGENT_NS), ("namespaced", AGENT_NS),
+                                                ("agentNamespaceExternal", "gpu-system")])
+def test_the_agent_enforces_the_ceilings_the_operator_may_write_and_nothing_else_there(objects, name, agent_ns):
+    """The agent reads (GET, as kareus_node.ceilings does) one ConfigMap in its own namespace; the
+    operator is told that namespace and name, and may get, create (server-side apply) and patch
+    only that ConfigMap there."""
+    node_main = pytest.importorskip("kareus_node.main")
+    settings_module = pytest.importorskip("kareus_operator.settings")
+    objs = objects[name]
+    [daemonset] = [o for (kind, _, _), o in objs.items() if kind == "DaemonSet"]
+    args = node_main.build_parser().parse_args(daemonset["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args.clock_ceilings == (agent_ns, CEILINGS)
+    env = operator_env(objs)
+    settings = settings_module.Settings.from_env({k: v for k, v in env.items() if k.startswith("KAREUS_OPERATOR_")})
+    assert (settings.clock_ceilings_namespace, settings.clock_ceilings_configmap) == (agent_ns, CEILINGS)
+    one_configmap = {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [CEILINGS]}
+    assert namespaced_rules(objs, agent_ns, "kareus-node-agent") == [{**one_configmap, "verbs": ["get"]}]
+    assert namespaced_rules(objs, agent_ns, "kareus-operator") == [{**one_configmap, "verbs": ["get", "create", "patch"]}]
+    [binding] = [o for (kind, ns, n), o in objs.items() if kind == "RoleBinding" and ns == agent_ns
+                 and n == "kareus-operator-clock-ceilings"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kareus-operator", "namespace": NAMESPACE}]
+    if name == "namespaced":  # no cluster-wide rule reaches the agent's ConfigMaps either
+        cluster = [r for (kind, _, n), o in objs.items() if kind == "ClusterRole" and n.startswith("kareus-operator")
+                   for r in o["rules"]]
+        assert not any("configmaps" in r.get("resources", []) for r in cluster)
+
+
+def test_ceilings_publishing_off_and_an_operator_only_release(objects):
+    """publishClockCeilings false: no Role in the agent's namespace and the operator is told no namespace
+    (the agent still reads the ConfigMap, now absent: no ceilings). Without the node agent, the operator
+    still publishes into the agent namespace another release runs."""
+    off = objects["noCeilings"]
+    assert operator_env(off)["KAREUS_OPERATOR_CLOCK_CEILINGS_NAMESPACE"] == ""
+    assert not namespaced_rules(off, AGENT_NS, "kareus-operator")
+    assert namespaced_rules(off, AGENT_NS, "kareus-node-agent")
+    alone = objects["noNodeAgent"]
+    assert operator_env(alone)["KAREUS_OPERATOR_CLOCK_CEILINGS_NAMESPACE"] == AGENT_NS
+    assert namespaced_rules(alone, AGENT_NS, "kareus-operator") and not namespaced_rules(alone, AGENT_NS,
+                                                                                         "kareus-node-agent")
+
+
 def test_no_system_node_critical_and_an_own_priority_class_on_request(objects):
     assert "priorityClassName" not in agent_pod(objects["default"])
     assert not any(kind == "PriorityClass" for kind, _, _ in objects["default"])
@@ -120,6 +174,7 @@ def test_the_token_review_interval_reaches_the_daemon_config(objects, tmp_path):
         ({"nodeAgent": {"priorityClass": {"create": True, "value": 2000000001}}}, "value"),
         ({"nodeAgent": {"priorityClas": {"create": True}}}, "priorityClas"),
         ({"nodeAgent": {"limits": {"tokenReviewSeconds": 0}}}, "tokenReviewSeconds"),
+        ({"operator": {"publishClockCeilings": "yes"}}, "publishClockCeilings"),
     ],
 )
 def test_bad_values_fail_via_the_schema(chart, values, field):

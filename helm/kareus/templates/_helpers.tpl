@@ -70,6 +70,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/* The ConfigMap of per-pod clock ceilings (kareus_node.ceilings.DEFAULT_NAME), in the node agent's namespace. */}}
+{{- define "kareus.clockCeilings.configMapName" -}}
+kareus-clock-ceilings
+{{- end -}}
+
 {{- define "kareus.policy.configMapName" -}}
 {{- printf "%s-policy" (include "kareus.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -202,6 +207,7 @@ clockBounds:
 {{- end }}
 {{- end -}}
 
+- --clock-ceilings={{ include "kareus.nodeAgent.namespace" . }}/{{ include "kareus.clockCeilings.configMapName" . }}
 {{/* The agent's PriorityClass: the chart's own when nodeAgent.priorityClass.create, else nodeAgent.priorityClassName (may be empty). */}}
 {{- define "kareus.nodeAgent.priorityClassName" -}}
 {{- if .Values.nodeAgent.priorityClass.create -}}
@@ -282,6 +288,10 @@ kareus.dev/job-name
   value: {{ join "," .Values.operator.args.watchNamespaces | quote }}
 - name: KAREUS_OPERATOR_LEADER_ELECTION_LEASE
   value: {{ include "kareus.operator.fullname" . | quote }}
+- name: KAREUS_OPERATOR_CLOCK_CEILINGS_NAMESPACE
+  value: {{ ternary (include "kareus.nodeAgent.namespace" .) "" .Values.operator.publishClockCeilings | quote }}
+- name: KAREUS_OPERATOR_CLOCK_CEILINGS_CONFIGMAP
+  value: {{ include "kareus.clockCeilings.configMapName" . | quote }}
 {{- range $name, $value := .Values.operator.settings }}
 - name: {{ printf "KAREUS_OPERATOR_%s" $name }}
   value: {{ $value | quote }}
