@@ -204,3 +204,68 @@ def test_discover_with_a_device_directory_gives_the_shared_gpus(tmp_path) -> Non
     shared[0].lock_sm_clock(1005, 1005)
     assert not (tmp_path / "state").exists()  # the lock went to the device, not the state directory
     assert discover("sim", count=1, node="n", device_dir=tmp_path / "dev")[0].locked_range_mhz() == (1005, 1005)
+
+
+# -- the board power limit ---------------------------------------------------------------------
+def test_sim_power_limit_is_checked_against_the_board_and_persists(tmp_path) -> None:
+    gpu = discover("sim", count=2, state_dir=tmp_path)[1]
+    assert (gpu.power_limit_range_w(), gpu.default_power_limit_w(), gpu.power_limit_w()) == ((100.0, 400.0), 400.0, 400.0)
+    for bad in (99.0, 401, True, "300"):
+        with pytest.raises(KareusError, match="outside the settable range 100–400 W"):
+            gpu.set_power_limit_w(bad)
+    gpu.set_power_limit_w(250)
+    assert gpu.power_limit_w() == 250.0 and gpu.run_power_limit_w() == 250.0
+    again = discover("sim", count=2, state_dir=tmp_path)  # a restarted daemon sees the board still limited
+    assert again[1].power_limit_w() == 250.0 and again[0].power_limit_w() == 400.0
+    assert again[1].locked_clock_mhz() is None  # a limit is not a lock
+    again[1].reset_power_limit()
+    assert discover("sim", count=2, state_dir=tmp_path)[1].power_limit_w() == 400.0
+
+
+def test_a_shared_simulated_gpu_limited_by_one_process_is_limited_for_all(tmp_path) -> None:
+    from kareus.gpu.simdevice import SharedSimulatedGPU
+
+    agent = discover("sim", count=1, device_dir=tmp_path)[0]
+    rank = SharedSimulatedGPU("A100-SXM4-40GB", 0, device_dir=tmp_path, uuid=agent.uuid)  # a training pod's view
+    agent.lock_sm_clock(1200, 1200)
+    agent.set_power_limit_w(200)
+    assert rank.run_power_limit_w() == 200.0 and rank.locked_clock_mhz() == 1200
+    agent.reset_sm_clock()  # the clock and the limit are separate: resetting one keeps the other
+    assert rank.run_power_limit_w() == 200.0 and rank.locked_clock_mhz() is None
+    agent.reset_power_limit()
+    assert rank.run_power_limit_w() is None and rank.power_limit_w() == 400.0
+
+
+def test_the_simulated_gpu_draws_less_under_a_power_limit() -> None:
+    from kareus.runtime.energy import SimulatedEnergy
+    from kareus.runtime.schedule import Schedule
+    from kareus.workload.models import get_preset
+    from kareus.workload.partitions import build_workload
+
+    workload = build_workload(get_preset("llama3.2-3b"), tp=1, cp=1, pp=1, seq_len=2048, micro_batch_size=4)
+    schedule = Schedule.uniform(1, 2, clock_mhz=1410)
+    free = SimulatedEnergy(workload, "A100-SXM4-40GB", schedule, 1).result
+    capped = SimulatedEnergy(workload, "A100-SXM4-40GB", schedule, 1, power_limit_w=200.0).result
+    free_w, capped_w = free.energy_j / free.time_s, capped.energy_j / capped.time_s
+    assert free_w > 250.0  # the unlimited board draws well above the limit at its top clock
+    assert capped_w <= 200.0 + 1e-6 < free_w  # the power controller throttles every phase to the limit
+    assert capped.time_s > free.time_s  # by running slower
+    with pytest.raises(KareusError, match=r"outside A100-SXM4-40GB's settable range 100\.\.400 W"):
+        SimulatedEnergy(workload, "A100-SXM4-40GB", schedule, 1, power_limit_w=50.0)
+
+
+def test_nvml_power_limit_in_milliwatts(nvml) -> None:
+    gpu = discover_nvml(nvml)[0]
+    device = nvml.devices()[0]
+    assert (gpu.power_limit_range_w(), gpu.default_power_limit_w(), gpu.power_limit_w()) == ((100.0, 400.0), 400.0, 400.0)
+    gpu.set_power_limit_w(212.5)
+    assert device.power_limit_mw == 212_500 and gpu.power_limit_w() == 212.5
+    with pytest.raises(KareusError, match="outside the settable range 100–400 W"):
+        gpu.set_power_limit_w(450)
+    assert len(nvml.calls_of("nvmlDeviceSetPowerManagementLimit")) == 1  # validated before NVML is called
+    gpu.reset_power_limit()
+    assert device.power_limit_mw == 400_000
+    assert nvml.calls_of("nvmlDeviceSetPowerManagementLimit")[-1][2] == (400_000,)  # the board's default
+    nvml.fail("nvmlDeviceSetPowerManagementLimit", nvml.NVML_ERROR_NO_PERMISSION)
+    with pytest.raises(KareusError, match=r"nvmlDeviceSetPowerManagementLimit failed on GPU-fake-0000.*Insufficient"):
+        gpu.set_power_limit_w(300)

@@ -7,7 +7,8 @@ responsibilities, the way Zeus splits monitoring from control. Backends: NVML (`
 and the simulated GPU (`kareus.gpu.sim`). Nothing above this interface imports `pynvml`.
 
 The backend tracks the lock it set (`locked_clock_mhz`), because NVML cannot report the current
-lock range.
+lock range. The board power limit (what `nvidia-smi -pl` sets) is the second control: NVML reports
+its settable range, its default and the limit in force, so those are read, not remembered.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Real
 
 from kareus.errors import KareusError
 
@@ -70,6 +71,26 @@ class GPUDevice(ABC):
         """The upper end of the lock this backend set, None when not locked."""
 
     @abstractmethod
+    def power_limit_range_w(self) -> tuple[float, float]:
+        """The board's settable power-management limits (min, max) in watts."""
+
+    @abstractmethod
+    def default_power_limit_w(self) -> float:
+        """The board's default power limit in watts (what a reset restores)."""
+
+    @abstractmethod
+    def power_limit_w(self) -> float:
+        """The power limit in force now, in watts."""
+
+    @abstractmethod
+    def set_power_limit_w(self, watts: float) -> None:
+        """Limit the board's power to `watts`, which must be within `power_limit_range_w()`."""
+
+    @abstractmethod
+    def reset_power_limit(self) -> None:
+        """Return the board to its default power limit."""
+
+    @abstractmethod
     def is_mig_enabled(self) -> bool:
         """Whether MIG partitions this GPU (clock control is then refused)."""
 
@@ -85,6 +106,12 @@ class GPUDevice(ABC):
                                   f"{_describe_clocks(supported)}")
         if min_mhz > max_mhz:
             raise KareusError(f"min_mhz {min_mhz} must be <= max_mhz {max_mhz}")
+
+    def check_power_limit(self, watts: float) -> None:
+        """Raise a `KareusError` unless `watts` is a number within the board's settable limits."""
+        low, high = self.power_limit_range_w()
+        if isinstance(watts, bool) or not isinstance(watts, Real) or not low <= watts <= high:
+            raise KareusError(f"power limit {watts!r} W is outside the settable range {low:g}–{high:g} W of {self.uuid}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index}, uuid={self.uuid!r}, name={self.name!r})"

@@ -8,6 +8,11 @@ Readings: the cumulative energy counter (`nvmlDeviceGetTotalEnergyConsumption`, 
 every 100 ms), power (`nvmlDeviceGetPowerUsage`, mW; a 1 s average on post-GA100 parts), the SM
 clock. Control: `nvmlDeviceSetGpuLockedClocks` / `nvmlDeviceResetGpuLockedClocks` (need root or
 CAP_SYS_ADMIN). NVML cannot report the lock range, so this backend remembers what it set.
+Power limit: `nvmlDeviceSetPowerManagementLimit` (mW, root), within
+`nvmlDeviceGetPowerManagementLimitConstraints`; NVML has no reset for it, so a reset sets
+`nvmlDeviceGetPowerManagementDefaultLimit`. The limit in force is read back
+(`nvmlDeviceGetPowerManagementLimit`). Written against nvidia-ml-py's API and tested with a fake
+`pynvml` only: no GPU has run it yet.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class NVMLGPU(GPUDevice):
         self.sm_count = self._read_sm_count()
         self._locked: tuple[int, int] | None = None
         self._clocks: tuple[int, ...] | None = None
+        self._power_range_w: tuple[float, float] | None = None
 
     def _call(self, function: str, *args: Any, handle: bool = True) -> Any:
         target = getattr(self._nvml, function)
@@ -76,6 +82,25 @@ class NVMLGPU(GPUDevice):
 
     def locked_clock_mhz(self) -> int | None:
         return None if self._locked is None else self._locked[1]
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        if self._power_range_w is None:  # a board property: read once
+            low_mw, high_mw = self._call("nvmlDeviceGetPowerManagementLimitConstraints")
+            self._power_range_w = (low_mw / 1000.0, high_mw / 1000.0)
+        return self._power_range_w
+
+    def default_power_limit_w(self) -> float:
+        return self._call("nvmlDeviceGetPowerManagementDefaultLimit") / 1000.0
+
+    def power_limit_w(self) -> float:
+        return self._call("nvmlDeviceGetPowerManagementLimit") / 1000.0
+
+    def set_power_limit_w(self, watts: float) -> None:
+        self.check_power_limit(watts)
+        self._call("nvmlDeviceSetPowerManagementLimit", round(watts * 1000))
+
+    def reset_power_limit(self) -> None:
+        self._call("nvmlDeviceSetPowerManagementLimit", self._call("nvmlDeviceGetPowerManagementDefaultLimit"))
 
     def energy_j(self) -> float:
         return self._call("nvmlDeviceGetTotalEnergyConsumption") / 1000.0

@@ -7,9 +7,15 @@ instruction: the counter gains the measurement's energy and the following `time_
 count as busy at the measured average power instead of idle. So a training run on CPU reads real
 looking energy deltas from the same interface the NVML backend offers.
 
-Locks can persist in a state directory (one JSON file per GPU, written atomically), so that a
-restarted process — the node daemon after SIGKILL — sees the GPU still locked until it resets it,
-as a real GPU would.
+The board power limit is the preset's `power_limit_w` (settable within `power_limit_min_w` and
+it, as `nvidia-smi -pl`). Work on a limited GPU is modelled on the preset under the limit in force
+(`kareus.sim.replica.power_limited`, through `kareus.runtime.energy.SimulatedEnergy`), whose power
+controller throttles each phase to the limit, so a limited GPU draws less; a training rank on a
+shared device reads the limit the node agent set from the device (`run_power_limit_w`).
+
+Locks and power limits can persist in a state directory (one JSON file per GPU, written
+atomically), so that a restarted process — the node daemon after SIGKILL — sees the GPU still
+locked and limited until it resets it, as a real GPU would.
 
 A GPU shared by processes — the node agent and the pods allocated it — is
 `kareus.gpu.simdevice.SharedSimulatedGPU`, built on this class in that module (`discover("sim",
@@ -61,7 +67,7 @@ class SimulatedGPU(GPUDevice):
         self._busy_power_w = self.spec.idle_power_w
         self._busy_clock_mhz = self.spec.clock_max_mhz
         self._state_path = Path(state_dir) / f"sim-gpu-{self.uuid}.json" if state_dir is not None else None
-        self._lock_range: tuple[int, int] | None = self._load_lock()
+        self._lock_range, self._power_limit = self._load_state()
         self.lock_changes = 0
 
     # -- control -------------------------------------------------------------------------------
@@ -91,6 +97,33 @@ class SimulatedGPU(GPUDevice):
 
     def is_mig_enabled(self) -> bool:
         return self._mig
+
+    # -- the board power limit -----------------------------------------------------------------
+    def power_limit_range_w(self) -> tuple[float, float]:
+        return float(self.spec.power_limit_min_w), float(self.spec.power_limit_w)
+
+    def default_power_limit_w(self) -> float:
+        return float(self.spec.power_limit_w)
+
+    def power_limit_w(self) -> float:
+        limit = self.run_power_limit_w()
+        return self.default_power_limit_w() if limit is None else limit
+
+    def run_power_limit_w(self) -> float | None:
+        """The limit work runs under now; None at the board's default (no limit below it)."""
+        with self._mutex:
+            return self._power_limit
+
+    def set_power_limit_w(self, watts: float) -> None:
+        self.check_power_limit(watts)
+        with self._mutex:
+            self._power_limit = None if watts >= self.spec.power_limit_w else float(watts)
+            self._save_power_limit()
+
+    def reset_power_limit(self) -> None:
+        with self._mutex:
+            self._power_limit = None
+            self._save_power_limit()
 
     # -- measurement ---------------------------------------------------------------------------
     def energy_j(self) -> float:
@@ -135,20 +168,28 @@ class SimulatedGPU(GPUDevice):
         self._last_s = max(now, self._last_s)
 
     # -- persistence ---------------------------------------------------------------------------
-    def _load_lock(self) -> tuple[int, int] | None:
+    def _load_state(self) -> tuple[tuple[int, int] | None, float | None]:
+        """(lock, power limit) as a previous process left them (files of older versions: no limit)."""
         if self._state_path is None or not self._state_path.exists():
-            return None
+            return None, None
         data = json.loads(self._state_path.read_text())
-        locked = data.get("locked_mhz")
-        return (int(locked[0]), int(locked[1])) if locked else None
+        locked, limit = data.get("locked_mhz"), data.get("power_limit_w")
+        return (int(locked[0]), int(locked[1])) if locked else None, None if limit is None else float(limit)
 
     def _save_lock(self) -> None:
+        self._save_state()
+
+    def _save_power_limit(self) -> None:
+        self._save_state()
+
+    def _save_state(self) -> None:
         if self._state_path is None:
             return
         self._state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._state_path.with_suffix(".tmp")
         with open(tmp, "w") as handle:
-            json.dump({"uuid": self.uuid, "locked_mhz": list(self._lock_range) if self._lock_range else None}, handle)
+            json.dump({"uuid": self.uuid, "locked_mhz": list(self._lock_range) if self._lock_range else None,
+                       "power_limit_w": self._power_limit}, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, self._state_path)

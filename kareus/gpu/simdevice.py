@@ -10,6 +10,8 @@ container that gets GPUs (and to the node agent, which asks for all of them with
 - `busy_s`: the modelled GPU time the work accounted on it took;
 - `locked_mhz`: the SM clock lock, so a lock the node agent sets is the lock every process sees,
   and it survives the agent's restart as a real GPU's does;
+- `power_limit_w`: the board power limit the agent set (null: the board's default), which the
+  ranks model their work under (`run_power_limit_w`), as a real board's controller throttles;
 - `recent`: the last seconds of accounted work, stamped with `time.monotonic()` (one clock for every
   process of the machine on Linux), from which power is read.
 
@@ -81,7 +83,7 @@ class SimDeviceFile:
         except FileNotFoundError:  # a GPU nobody has read yet: a fresh counter
             state = {}
         return {"uuid": self.uuid, "product": self.product, "energy_j": 0.0, "busy_s": 0.0, "locked_mhz": None,
-                "recent": [], **state}
+                "power_limit_w": None, "recent": [], **state}
 
     def read(self) -> dict[str, Any]:
         with self._locked(exclusive=False):
@@ -114,6 +116,14 @@ class SimDeviceFile:
 
         self.update(change)
 
+    def set_power_limit(self, power_limit_w: float | None) -> None:
+        """The board limit in watts (None: the board's default)."""
+
+        def change(state: dict[str, Any]) -> None:
+            state["power_limit_w"] = power_limit_w
+
+        self.update(change)
+
 
 def recent_work(state: dict[str, Any], now_s: float, window_s: float = POWER_WINDOW_S) -> list[list[float]]:
     """The accounted work (stamp, joules, clock) within the last `window_s` before `now_s`."""
@@ -129,12 +139,19 @@ class SharedSimulatedGPU(SimulatedGPU):
         super().__init__(spec, index, node=node, mig_enabled=mig_enabled, clock=clock, uuid=uuid)
         self.device = SimDeviceFile(device_dir, self.uuid, product=self.spec.name)
 
-    # -- control: the lock is the device's, whoever set it -------------------------------------
-    def _load_lock(self) -> tuple[int, int] | None:
-        return None  # not used: every read goes to the file
+    # -- control: the lock and the power limit are the device's, whoever set them ------------
+    def _load_state(self) -> tuple[tuple[int, int] | None, float | None]:
+        return None, None  # not used: every read goes to the file
 
     def _save_lock(self) -> None:
         self.device.set_lock(self._lock_range)
+
+    def _save_power_limit(self) -> None:
+        self.device.set_power_limit(self._power_limit)
+
+    def run_power_limit_w(self) -> float | None:
+        limit = self.device.read()["power_limit_w"]
+        return None if limit is None else float(limit)
 
     def locked_range_mhz(self) -> tuple[int, int] | None:
         locked = self.device.read()["locked_mhz"]

@@ -8,7 +8,8 @@ DESIGN.md §2.1: every GPU pays static power for the whole iteration, bubbles in
   model; the iteration time is the finish time of the 1F1B pipeline DAG over those instruction
   times (F(s,m) after F(s−1,m), B(s,m) after B(s+1,m), each stage in its own order) —
   `kareus.sim.replica`, which the twin's what-ifs use too. Deterministic, so computed once per
-  schedule (and per clock ceiling of a simulated straggler).
+  schedule (and per clock ceiling of a simulated straggler, and per board power limit: under one
+  the simulator's power controller throttles each phase to it, so the GPU draws less).
 - `MeasuredEnergy` (CUDA): the NVML energy counter of this rank's GPU (through `kareus.gpu`),
   read at step boundaries; the trainer sums the ranks. The GPU is found by UUID only — CUDA and
   NVML number devices differently under `CUDA_VISIBLE_DEVICES`, so an index would read another
@@ -61,16 +62,22 @@ class SimulatedEnergy:
     `clock_ceiling_mhz` caps every clock (a slower simulated GPU: the `KAREUS_SIM_STRAGGLER` knob);
     `replica` keeps the per-replica numbers (`kareus.sim.replica.ReplicaIteration`), so a replica
     that waits for a slower one can be charged static power for the wait. `calibration` is a
-    `kareus sim calibrate` file's parameters (the shipped presets without one), as profiling used."""
+    `kareus sim calibrate` file's parameters (the shipped presets without one), as profiling used.
+    `power_limit_w` is the board power limit the GPUs run under (None: the preset's)."""
 
     def __init__(self, workload: Workload, gpu_product: str, schedule: Schedule, gpus_per_stage: int, *,
-                 clock_ceiling_mhz: float | None = None, calibration: SimCalibration | None = None) -> None:
+                 clock_ceiling_mhz: float | None = None, calibration: SimCalibration | None = None,
+                 power_limit_w: float | None = None) -> None:
         from kareus.sim.paramsfile import shipped  # the simulator is only needed for CPU accounting
-        from kareus.sim.replica import replica_iteration
+        from kareus.sim.replica import power_limited, replica_iteration
+        from kareus.sim.simulator import Simulator
 
         calibration = calibration or shipped()
         self.gpu = calibration.gpu(gpu_product)
-        self.simulator = calibration.simulator(self.gpu)
+        if power_limit_w is not None:  # as `kareus sim power-budget` runs a limited board (power_budget.twin)
+            self.gpu = power_limited(self.gpu, power_limit_w)
+        self.power_limit_w = power_limit_w
+        self.simulator = Simulator(self.gpu, params=calibration.params)
         self.workload = workload
         self.gpus_per_stage = gpus_per_stage
         if len(workload.stages) != schedule.num_stages:

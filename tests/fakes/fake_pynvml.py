@@ -3,7 +3,7 @@
 Use it in place of the real module (`discover("nvml", module="tests.fakes.fake_pynvml")`, or
 `monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml)`). Call `reset(...)` first; it installs
 fresh devices and clears the call log. The fake records every call (`calls`: list of
-(function, uuid or None, args)), keeps locked clocks per device, runs each device's cumulative
+(function, uuid or None, args)), keeps locked clocks and power limits (mW) per device, runs each device's cumulative
 energy counter (mJ) at its `power_w` on a clock you control (`advance(seconds)`), reports MIG mode,
 UUIDs and PCI bus ids, and injects failures: `fail("nvmlDeviceSetGpuLockedClocks",
 NVML_ERROR_NO_PERMISSION, times=1, uuid=None)`; `fail_init(NVML_ERROR_LIBRARY_NOT_FOUND)` makes
@@ -98,6 +98,9 @@ class FakeDevice:
     locked_mhz: tuple[int, int] | None = None
     lock_count: int = 0
     reset_count: int = 0
+    power_limit_range_mw: tuple[int, int] = (100_000, 400_000)
+    default_power_limit_mw: int = 400_000
+    power_limit_mw: int = 400_000
 
     @property
     def sm_clock_mhz(self) -> int:
@@ -254,6 +257,29 @@ def nvmlDeviceResetGpuLockedClocks(handle: FakeDevice) -> None:
     _enter("nvmlDeviceResetGpuLockedClocks", handle)
     handle.locked_mhz = None
     handle.reset_count += 1
+
+
+def nvmlDeviceGetPowerManagementLimitConstraints(handle: FakeDevice) -> list[int]:
+    _enter("nvmlDeviceGetPowerManagementLimitConstraints", handle)
+    return list(handle.power_limit_range_mw)
+
+
+def nvmlDeviceGetPowerManagementDefaultLimit(handle: FakeDevice) -> int:
+    _enter("nvmlDeviceGetPowerManagementDefaultLimit", handle)
+    return handle.default_power_limit_mw
+
+
+def nvmlDeviceGetPowerManagementLimit(handle: FakeDevice) -> int:
+    _enter("nvmlDeviceGetPowerManagementLimit", handle)
+    return handle.power_limit_mw
+
+
+def nvmlDeviceSetPowerManagementLimit(handle: FakeDevice, limit_mw: int) -> None:
+    _enter("nvmlDeviceSetPowerManagementLimit", handle, limit_mw)
+    low, high = handle.power_limit_range_mw
+    if not isinstance(limit_mw, int) or not low <= limit_mw <= high:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    handle.power_limit_mw = limit_mw
 
 
 def nvmlDeviceGetTotalEnergyConsumption(handle: FakeDevice) -> int:
