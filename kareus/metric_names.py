@@ -11,6 +11,7 @@ GPU_ENERGY_JOULES_TOTAL = "kareus_gpu_energy_joules_total"
 GPU_SM_CLOCK_HERTZ = "kareus_gpu_sm_clock_hertz"
 GPU_LOCKED_CLOCK_HERTZ = "kareus_gpu_locked_clock_hertz"
 GPU_CLOCK_CHANGES_TOTAL = "kareus_gpu_clock_changes_total"
+GPU_POWER_LIMIT_WATTS = "kareus_gpu_power_limit_watts"  # the board power limit in force
 DAEMON_REQUESTS_TOTAL = "kareus_daemon_requests_total"
 DAEMON_REQUEST_SECONDS = "kareus_daemon_request_seconds"
 

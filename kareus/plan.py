@@ -15,6 +15,11 @@ direction in microbatch order). `reselect(plan, objective)` rebuilds the plan fo
 objective from that table without re-profiling; the operator calls it when `spec.objective`
 changes. Other methods' frontiers (the baselines) ride along for plotting.
 
+`power_limit_w` (optional, absent in older plans: none) is a per-GPU board power limit to run the
+plan under — what the power-budget allocator gives a job whose point lies below its frontier's low
+end (`kareus.power_budget`, `Allotment.power_limit_w`). The runtime asks the node agent for it and
+restores the board's default when it exits.
+
 Validation is two-layered: the JSON Schema (shape and types) and semantic checks against the
 job's `Workload` (known partition types, launch slots and SM counts, 1F1B order, clocks in the
 GPU's list). Every error carries its field path.
@@ -247,6 +252,7 @@ class Plan:
     frontier: FrontierTable
     selected_row: int = 0
     baselines: Mapping[str, MethodFrontier] = field(default_factory=dict)
+    power_limit_w: float | None = None  # per GPU; None: the board's default
 
     @property
     def method(self) -> str:
@@ -266,6 +272,7 @@ class Plan:
                        for st in self.stages],
             "frontier": self.frontier.to_dict(),
             "baselines": {name: mf.to_dict() for name, mf in self.baselines.items()},
+            **({} if self.power_limit_w is None else {"power_limit_w": self.power_limit_w}),
         }
 
     @classmethod
@@ -286,6 +293,7 @@ class Plan:
             frontier=FrontierTable.from_dict(data["frontier"]),
             selected_row=data.get("selected_row", 0),
             baselines={k: MethodFrontier.from_dict(v) for k, v in data.get("baselines", {}).items()},
+            power_limit_w=None if data.get("power_limit_w") is None else float(data["power_limit_w"]),
         )
 
     def to_json(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import jsonschema
@@ -18,6 +19,7 @@ from kareus.plan import (
     Plan,
     PlanError,
     one_f_one_b,
+    plan_at_row,
     plan_schema,
     reselect,
     run_length_decode,
@@ -187,3 +189,18 @@ def test_gzip_round_trip(tmp_path):
     assert len(plan.to_gzip()) < len(plan.to_json()) / 4
     with pytest.raises(PlanError, match="not a valid gzip stream"):
         Plan.loads(b"\x1f\x8b broken")
+
+
+def test_a_plan_may_carry_a_power_limit_and_plans_without_one_load_unchanged(tmp_path):
+    plan = small_plan()
+    old = plan.to_dict()
+    assert "power_limit_w" not in old  # what every plan written before the field looks like
+    loaded = Plan.from_dict(copy.deepcopy(old))
+    assert loaded.power_limit_w is None and loaded.to_dict() == old
+    limited = replace(plan, power_limit_w=250.0)
+    limited.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").power_limit_w == 250.0
+    assert plan_at_row(limited, len(plan.frontier.rows) - 1).power_limit_w == 250.0  # moving along keeps it
+    assert Plan.from_dict({**old, "power_limit_w": None}).power_limit_w is None
+    for bad in (0, -5, "250"):
+        assert any(e.startswith("power_limit_w:") for e in validate_plan({**old, "power_limit_w": bad})), bad

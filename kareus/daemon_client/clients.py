@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kareus.daemon_client.connection import DaemonConnection, DaemonError
+from kareus.daemon_client.connection import DaemonConnection, DaemonError, power_limit_fields
 
 log = logging.getLogger("kareus.daemon_client")
 
@@ -47,8 +47,13 @@ class ClockClient(ABC):
         """Switch to the next clock of the uploaded schedule (wrapping around)."""
 
     @abstractmethod
+    def set_power_limit(self, watts: float | None) -> None:
+        """Limit every GPU of this client to `watts` (None: the board's default); returns without
+        waiting. The limit holds under the clocks' lease: `reset` and `close` restore the default."""
+
+    @abstractmethod
     def reset(self) -> None:
-        """Give the GPUs back to default clocks."""
+        """Give the GPUs back to default clocks and power limits."""
 
     @abstractmethod
     def close(self) -> None:
@@ -85,6 +90,9 @@ class NullClockClient(ClockClient):
     def advance(self) -> None:
         pass
 
+    def set_power_limit(self, watts: float | None) -> None:
+        pass
+
     def reset(self) -> None:
         pass
 
@@ -107,6 +115,7 @@ class ClockRecord:
     instruction: str
     clock_mhz: int | None
     time_s: float  # time.monotonic() when it was asked
+    power_limit_w: float | None = None  # for instruction "power_limit" (None there: the default)
 
 
 class RecordingClockClient(ClockClient):
@@ -131,6 +140,9 @@ class RecordingClockClient(ClockClient):
         index = self._cursor % len(self.schedule_mhz)
         self.log.append(ClockRecord(f"schedule[{index}]", self.schedule_mhz[index], time.monotonic()))
         self._cursor += 1
+
+    def set_power_limit(self, watts: float | None) -> None:
+        self.log.append(ClockRecord("power_limit", None, time.monotonic(), None if watts is None else float(watts)))
 
     def reset(self) -> None:
         self.log.append(ClockRecord("reset", None, time.monotonic()))
@@ -181,6 +193,9 @@ class DaemonClockClient(ClockClient):
     def advance(self) -> None:
         self._last_clock_mhz = None  # the schedule moved the clock; a later request must be sent
         self._send("next", wait=False)
+
+    def set_power_limit(self, watts: float | None) -> None:
+        self._send("power_limit", gpus=list(self.gpu_uuids), wait=False, **power_limit_fields(watts))
 
     def reset(self) -> None:
         self._last_clock_mhz = None

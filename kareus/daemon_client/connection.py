@@ -89,6 +89,9 @@ class GPUInfo:
     controllable: bool  # may this caller lock it?
     reason: str  # why not, when not controllable
     locked_clock_mhz: int | None
+    min_power_limit_w: float | None = None  # the board's settable power limits (None: an older daemon,
+    max_power_limit_w: float | None = None  # or a board that cannot say)
+    default_power_limit_w: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GPUInfo:
@@ -102,6 +105,9 @@ class GPUInfo:
             controllable=data["controllable"],
             reason=data.get("reason", ""),
             locked_clock_mhz=data.get("locked_clock_mhz"),
+            min_power_limit_w=data.get("min_power_limit_w"),
+            max_power_limit_w=data.get("max_power_limit_w"),
+            default_power_limit_w=data.get("default_power_limit_w"),
         )
 
 
@@ -114,6 +120,7 @@ class GPUReading:
     power_w: float
     sm_clock_mhz: int
     locked_clock_mhz: int | None
+    power_limit_w: float | None = None  # the board limit in force (None: an older daemon)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GPUReading:
@@ -123,7 +130,13 @@ class GPUReading:
             power_w=data["power_w"],
             sm_clock_mhz=data["sm_clock_mhz"],
             locked_clock_mhz=data.get("locked_clock_mhz"),
+            power_limit_w=data.get("power_limit_w"),
         )
+
+
+def power_limit_fields(watts: float | None) -> dict[str, Any]:
+    """The fields of a ``power_limit`` request: ``watts``, or ``reset: true`` for None."""
+    return {"reset": True} if watts is None else {"watts": float(watts)}
 
 
 def _recv_exact(sock: socket.socket, count: int) -> bytes:
@@ -254,6 +267,10 @@ class DaemonConnection:
 
     def reset(self, gpu_uuids: Sequence[str], *, wait: bool = False) -> dict[str, Any]:
         return self.call("reset", gpus=list(gpu_uuids), wait=wait)
+
+    def power_limit(self, gpu_uuids: Sequence[str], watts: float | None, *, wait: bool = False) -> dict[str, Any]:
+        """Limit the boards of `gpu_uuids` to `watts` each (None: back to the board's default)."""
+        return self.call("power_limit", gpus=list(gpu_uuids), wait=wait, **power_limit_fields(watts))
 
     def read(self, gpu_uuids: Sequence[str]) -> list[GPUReading]:
         return [GPUReading.from_json(gpu) for gpu in self.call("read", gpus=list(gpu_uuids))["gpus"]]

@@ -19,13 +19,16 @@ Operations (GPUs are always named by UUID, never by ordinal):
 - ``discover`` – every GPU on the node with PCI bus id, name, supported clocks, policy bounds and
   whether this caller may control it.
 - ``lock``     – lock the SM clock of ``gpus`` to ``clock_mhz``.
-- ``reset``    – give ``gpus`` back to default clocks and release the lease.
+- ``power_limit`` – set the board power limit of ``gpus`` to ``watts`` (within the board's
+  settable range), or with ``"reset": true`` back to the board's default; under the same lease as
+  ``lock``.
+- ``reset``    – give ``gpus`` back to default clocks and power limit, and release the lease.
 - ``read``     – energy (J, cumulative), power (W), SM clock and locked clock of ``gpus``.
 - ``schedule`` – upload ``clocks_mhz``, a cyclic per-instruction clock schedule for ``gpus``.
 - ``next``     – advance every uploaded schedule of this connection by one instruction.
 - ``status``   – the daemon's view: GPUs, leases, owners, counters.
 
-``lock``, ``reset`` and ``next`` are asynchronous unless ``"wait": true``: the daemon answers as
+``lock``, ``power_limit``, ``reset`` and ``next`` are asynchronous unless ``"wait": true``: the daemon answers as
 soon as it has checked and accepted the request, and a per-GPU worker applies it, coalescing to
 the latest request. With ``wait`` the answer comes after the clock was applied.
 """
@@ -40,7 +43,7 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 * 1024
 
-OPS = ("hello", "discover", "lock", "reset", "read", "schedule", "next", "status")
+OPS = ("hello", "discover", "lock", "power_limit", "reset", "read", "schedule", "next", "status")
 
 # Error codes carried in {"error": {"code": …}}.
 E_INVALID = "invalid"  # the frame or a field is malformed

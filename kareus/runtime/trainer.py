@@ -238,6 +238,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     if clock is None:
         clock = connect(config.daemon_socket, _my_gpus(config.daemon_socket, meter), job=config.job_name or None)
     progress = CudaProgress() if cuda else HostProgress()
+    power_limit_w = _follow_power_limit(clock, plan, None)  # close() gives the default back, whatever ends the run
     follower = PlanFollower(schedule.stages[ctx.pp_rank], stage=ctx.pp_rank, clock=clock, progress=progress,
                             lead_s=config.clock_lead_s)
     executor = StageExecutor(model, ctx, tp, follower, trained.seq_len, config.micro_batch_size,
@@ -283,7 +284,8 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             if rollout is not None and (new := rollout.check(step)) is not None:
                 running.switch(ctx, step, new.plan, new.built, new.digest, executor, outputs, (tp, cp))
                 straggle.rolled_out(new.plan)
-            simulated = running.simulated(straggle.slowed(step))
+                power_limit_w = _follow_power_limit(clock, running.plan, power_limit_w)
+            simulated = running.simulated(straggle.slowed(step), _power_limit_in_force(twin, running.plan))
             start = time.perf_counter()
             timer.start()
             optimizer.zero_grad(set_to_none=True)
@@ -367,10 +369,12 @@ class _Running:
         self.rows_run: list[int | None] = []
         self.sms_in_use = schedule.comm_sms_in_use()
         self._simulate = simulate
-        self._models: dict[bool, object] = {}
+        self._models: dict[tuple[bool, float | None], object] = {}
         # A simulated straggler's GPU is a physical property: its ceiling makes the *starting*
         # schedule `slowdown` slower and stays the same when plans change.
         self.ceiling_mhz = _straggler_ceiling_mhz(config, schedule, slowdown) if simulate and slowdown else None
+        if simulate:
+            _check_power_limit(config, plan)
 
     def resumed(self, ctx: DistContext, resumed: Resumed) -> None:
         """Go on counting plan revisions from the checkpoint's; a plan file that changed since counts as one more."""
@@ -381,15 +385,17 @@ class _Running:
             log.info("resuming from %s after step %d (plan revision %d%s)", resumed.path, resumed.step,
                      resumed.plan_revision, ", the plan file changed since" if changed else "")
 
-    def simulated(self, slowed: bool = False):
-        """This replica's modelled iteration (`ReplicaIteration`), on the slowed GPU if `slowed`; None on NVML."""
+    def simulated(self, slowed: bool = False, power_limit_w: float | None = None):
+        """This replica's modelled iteration (`ReplicaIteration`), on the slowed GPU if `slowed`, its
+        board limited to `power_limit_w`; None on NVML."""
         if not self._simulate:
             return None
         slowed = slowed and self.ceiling_mhz is not None
-        if slowed not in self._models:
+        key = (slowed, power_limit_w)
+        if key not in self._models:
             ceiling = self.ceiling_mhz if slowed else None
-            self._models[slowed] = _simulated_energy(self.config, self.schedule, ceiling).replica
-        return self._models[slowed]
+            self._models[key] = _simulated_energy(self.config, self.schedule, ceiling, power_limit_w).replica
+        return self._models[key]
 
     def record_fields(self) -> tuple:
         """plan_revision, predicted time and energy, digest (as `StepRecord` orders them)."""
@@ -556,13 +562,46 @@ def _nvml_meter(ctx: DistContext) -> MeasuredEnergy | None:
         return None
 
 
-def _simulated_energy(config: TrainConfig, schedule: Schedule, clock_ceiling_mhz: float | None = None) -> SimulatedEnergy:
+def _check_power_limit(config: TrainConfig, plan) -> None:
+    """A simulated run models its GPUs under the plan's power limit, so it must be one the simulated
+    board accepts (on real GPUs the node agent checks the board's own range)."""
+    from kareus.sim import get_gpu
+
+    if plan is None or plan.power_limit_w is None:
+        return
+    gpu = get_gpu(config.gpu_product)
+    if not gpu.power_limit_min_w <= plan.power_limit_w <= gpu.power_limit_w:
+        raise KareusError(f"power_limit_w: the plan's {plan.power_limit_w:g} W is outside the settable range "
+                          f"{gpu.power_limit_min_w:g}–{gpu.power_limit_w:g} W of the simulated {gpu.name}")
+
+
+def _follow_power_limit(clock: ClockClient, plan, current_w: float | None) -> float | None:
+    """Ask the node agent for the plan's per-GPU power limit when it differs from `current_w` (None:
+    the board's default); returns the limit now asked for."""
+    wanted = plan.power_limit_w if plan is not None else None
+    if wanted != current_w:
+        clock.set_power_limit(wanted)
+    return wanted
+
+
+def _power_limit_in_force(twin: TwinEnergy | None, plan) -> float | None:
+    """The board limit this rank's modelled work runs under: on a shared simulated GPU the one the
+    node agent set on it (as a real board throttles to whatever limit it has), else the plan's (the
+    model follows the plan, as for its clocks)."""
+    if twin is not None:
+        return twin.device.run_power_limit_w()
+    return plan.power_limit_w if plan is not None else None
+
+
+def _simulated_energy(config: TrainConfig, schedule: Schedule, clock_ceiling_mhz: float | None = None,
+                      power_limit_w: float | None = None) -> SimulatedEnergy:
     mbs = config.micro_batch_size + config.micro_batch_size % 2  # the workload counts nanobatch pairs
     workload = build_workload(config.shape, tp=config.tp, cp=config.cp, pp=config.pp, seq_len=config.seq_len,
                               micro_batch_size=mbs, activation_checkpointing=config.activation_checkpointing,
                               stage_layers=config.layers_per_stage)
     return SimulatedEnergy(workload, config.gpu_product, schedule, config.tp * config.cp * config.dp,
-                           clock_ceiling_mhz=clock_ceiling_mhz, calibration=_calibration(config.sim_params))
+                           clock_ceiling_mhz=clock_ceiling_mhz, calibration=_calibration(config.sim_params),
+                           power_limit_w=power_limit_w)
 
 
 @functools.lru_cache(maxsize=4)

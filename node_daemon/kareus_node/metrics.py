@@ -18,6 +18,7 @@ it names every GPU's pod, job and power, which is not every tenant's business.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +49,7 @@ class GPUCollector:
             "clock": GaugeMetricFamily(names.GPU_SM_CLOCK_HERTZ, "Current SM clock in hertz", labels=GPU_LABELS),
             "locked": GaugeMetricFamily(names.GPU_LOCKED_CLOCK_HERTZ, "SM clock lock set by Kareus in hertz, 0 when not locked", labels=GPU_LABELS),
             "changes": CounterMetricFamily(names.GPU_CLOCK_CHANGES_TOTAL, "SM clock locks and resets applied by the daemon", labels=GPU_LABELS),
+            "limit": GaugeMetricFamily(names.GPU_POWER_LIMIT_WATTS, "Board power limit in force in watts (the default unless Kareus set one)", labels=GPU_LABELS),
         }
         daemon = self._daemon
         for uuid, gpu in daemon.gpus.items():
@@ -64,6 +66,8 @@ class GPUCollector:
                 continue
             worker = daemon.workers.get(uuid)
             families["changes"].add_metric(labels, worker.clock_changes if worker else 0)
+            with contextlib.suppress(Exception):  # a board without power limits still has its other series
+                families["limit"].add_metric(labels, gpu.power_limit_w())
         yield from families.values()
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from kareus.daemon_client import protocol
 from kareus.daemon_client.protocol import ProtocolError
+from kareus.errors import KareusError
 from kareus.policy import ClockBounds
 from kareus_node.admission import Admission, HelloLimiter
 from kareus_node.auth import Authorizer, AuthUnavailable, BearerToken, Credentials, Grant, Owner
@@ -83,6 +84,7 @@ class Session:
     leases: set[str] = field(default_factory=set)
     schedules: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)  # uuid → (clocks, cursor)
     clocks: dict[str, int] = field(default_factory=dict)  # uuid → the clock last wanted on its lease
+    power_limits: dict[str, float | None] = field(default_factory=dict)  # uuid → the limit last wanted (journaled)
     bad_frames: int = 0
     peer_ip: str = ""  # TCP: the connection's source address
     writer: Any = field(default=None, repr=False)  # to close the session from outside its reader (re-check)
@@ -111,6 +113,7 @@ class Daemon:
         self.recheck = recheck
         self.bounds = {gpu.uuid: _effective_bounds(gpu, config) for gpu in gpus}
         self.supported_mhz = {gpu.uuid: frozenset(gpu.supported_sm_clocks_mhz()) for gpu in gpus}
+        self._power_ranges_w: dict[str, tuple[float, float]] = {}  # read on first use: a board may not support it
         self.workers: dict[str, ClockWorker] = {}
         self.leases: dict[str, Lease] = {}
         self.sessions: dict[int, Session] = {}
@@ -135,10 +138,15 @@ class Daemon:
                 log.warning("journal names GPU %s, which is not on this node any more; forgetting it", uuid)
             else:
                 owner = Owner.from_json(entry.get("owner", {})) if isinstance(entry.get("owner"), dict) else None
-                log.warning("restoring GPU %s to default clocks (locked at %s MHz for %s by daemon pid %s)",
-                            uuid, entry.get("clock_mhz"), owner.describe() if owner else "?", entry.get("daemon_pid"))
+                limited = entry.get("power_limit_w") is not None
+                log.warning("restoring GPU %s to default clocks%s (locked at %s MHz%s for %s by daemon pid %s)",
+                            uuid, " and its default power limit" if limited else "", entry.get("clock_mhz"),
+                            f", limited to {entry['power_limit_w']} W" if limited else "",
+                            owner.describe() if owner else "?", entry.get("daemon_pid"))
                 try:
                     gpu.reset_sm_clock()
+                    if limited:
+                        gpu.reset_power_limit()
                 except Exception as error:  # keep the entry: the next start tries again
                     log.error("cannot reset journaled GPU %s: %s", uuid, error)
                     continue
@@ -310,7 +318,7 @@ class Daemon:
                 raise _refused(f"{op}: authenticate first: a TCP connection's first request is hello with token, a "
                                f"projected ServiceAccount token with audience kareus-node")
             reply = await getattr(self, f"_op_{op}")(session, request_id, message)
-            result = "dry_run" if self.config.dry_run and op in ("lock", "next", "reset") else "ok"
+            result = "dry_run" if self.config.dry_run and op in ("lock", "power_limit", "next", "reset") else "ok"
         except ProtocolError as error:
             session.bad_frames += 1
             reply, result = protocol.error_reply(request_id, error.code, str(error)), "invalid"
@@ -372,7 +380,8 @@ class Daemon:
             gpus.append({"uuid": uuid, "pci_bus_id": gpu.pci_bus_id, "name": gpu.name,
                          "supported_clocks_mhz": list(gpu.supported_sm_clocks_mhz()),
                          "min_clock_mhz": low, "max_clock_mhz": high, "controllable": not reason,
-                         "reason": reason, "locked_clock_mhz": gpu.locked_clock_mhz() if uuid in visible else None})
+                         "reason": reason, "locked_clock_mhz": gpu.locked_clock_mhz() if uuid in visible else None,
+                         **self._power_fields(uuid, current=uuid in visible)})
         return protocol.ok_reply(request_id, gpus=gpus, dry_run=self.config.dry_run)
 
     async def _op_lock(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -397,6 +406,20 @@ class Daemon:
         tickets = self._release(session, mine, "reset requested")
         return await self._answer_after(request_id, message, mine, tickets)
 
+    async def _op_power_limit(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
+        """Set (`watts`) or restore (`reset: true`) the board power limit of `gpus`, under the lease
+        a lock takes: the same ownership checks, and the same release restores it."""
+        uuids = self._gpu_list(message)
+        watts = _power_limit_field(message)
+        _wait_field(message)
+        grant = await self._grant(session)
+        for uuid in uuids:
+            self._check_power_limit(session, grant, uuid, watts)
+        if watts is None:  # back to the default: only where this session set a limit
+            uuids = [uuid for uuid in uuids if session.power_limits.get(uuid) is not None]
+        tickets = [self._set_power_limit(session, grant, uuid, watts) for uuid in uuids]
+        return await self._answer_after(request_id, message, uuids, tickets)
+
     async def _op_read(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
         uuids = self._gpu_list(message)
         visible = await self._visible(session)
@@ -407,7 +430,8 @@ class Daemon:
         for uuid in uuids:
             gpu = self.gpus[uuid]
             gpus.append({"uuid": uuid, "energy_j": gpu.energy_j(), "power_w": gpu.power_w(),
-                         "sm_clock_mhz": gpu.sm_clock_mhz(), "locked_clock_mhz": gpu.locked_clock_mhz()})
+                         "sm_clock_mhz": gpu.sm_clock_mhz(), "locked_clock_mhz": gpu.locked_clock_mhz(),
+                         "power_limit_w": self._power_fields(uuid)["power_limit_w"]})
         return protocol.ok_reply(request_id, gpus=gpus)
 
     async def _op_schedule(self, session: Session, request_id: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -459,6 +483,8 @@ class Daemon:
                          "power_w": gpu.power_w(), "energy_j": gpu.energy_j(),
                          "clock_changes": self.workers[uuid].clock_changes if uuid in self.workers else 0,
                          "stale_skipped": self.workers[uuid].stale_skipped if uuid in self.workers else 0,
+                         "power_limit_changes": self.workers[uuid].power_limit_changes if uuid in self.workers else 0,
+                         **self._power_fields(uuid),
                          "owner": lease.owner.to_json() if lease else None, "journaled": uuid in journaled,
                          "mig_enabled": gpu.is_mig_enabled(), "bounds_mhz": list(self.bounds[uuid])})
         return protocol.ok_reply(request_id, node=self.node_name, dry_run=self.config.dry_run, pid=os.getpid(),
@@ -531,24 +557,74 @@ class Daemon:
                 raise _invalid(f"clock_mhz: {clock_mhz} MHz is not a supported SM clock of GPU {uuid}")
         self._check_lease(session, uuid)
 
+    def _power_range_w(self, uuid: str) -> tuple[float, float]:
+        if uuid not in self._power_ranges_w:
+            try:
+                self._power_ranges_w[uuid] = self.gpus[uuid].power_limit_range_w()
+            except KareusError as error:
+                raise _refused(f"GPU {uuid} does not report settable power limits: {error}") from None
+        return self._power_ranges_w[uuid]
+
+    def _power_fields(self, uuid: str, *, current: bool = True) -> dict[str, float | None]:
+        """The board's power-limit range, default and (when `current`) the limit in force; None where
+        the board cannot say."""
+        gpu = self.gpus[uuid]
+        fields: dict[str, float | None] = {"min_power_limit_w": None, "max_power_limit_w": None,
+                                           "default_power_limit_w": None, "power_limit_w": None}
+        with contextlib.suppress(KareusError, RequestFailed):
+            fields["min_power_limit_w"], fields["max_power_limit_w"] = self._power_range_w(uuid)
+            fields["default_power_limit_w"] = gpu.default_power_limit_w()
+            fields["power_limit_w"] = gpu.power_limit_w() if current else None
+        return fields
+
+    def _check_power_limit(self, session: Session, grant: Grant, uuid: str, watts: float | None) -> None:
+        reason = self._control_refusal(grant, uuid)
+        if reason:
+            raise _refused(reason.replace("clock control", "power-limit control"))
+        self._check_lease(session, uuid)
+        if watts is None:
+            return
+        low, high = self._power_range_w(uuid)
+        if not low <= watts <= high:
+            raise _refused(f"watts: {watts:g} W is outside the power-limit range {low:g}–{high:g} W of GPU {uuid} "
+                           f"({self.gpus[uuid].name})")
+
     def _check_lease(self, session: Session, uuid: str) -> None:
         lease = self.leases.get(uuid)
         if lease is not None and lease.session_id != session.id:
             raise RequestFailed(protocol.E_BUSY, f"GPU {uuid} is held by {lease.owner.describe()}", "refused")
 
+    def _take_lease(self, session: Session, grant: Grant, uuid: str, **entry: Any) -> None:
+        """Make `uuid` this session's lease (journaled, durably, before the GPU is touched)."""
+        if uuid in session.leases:
+            return
+        record = {"owner": grant.owner.to_json(), "daemon_pid": os.getpid(), "since": time.time(), **entry}
+        try:
+            self.workers[uuid].acquire(record)
+        except JournalError as error:
+            raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot journal the lease (failing closed): {error}", "unavailable") from None
+        self.leases[uuid] = Lease(session.id, grant.owner)
+        session.leases.add(uuid)
+
     def _set_clock(self, session: Session, grant: Grant, uuid: str, clock_mhz: int,
                    stale_after_s: float | None = None) -> int:
+        self._take_lease(session, grant, uuid, clock_mhz=clock_mhz)
+        session.clocks[uuid] = clock_mhz
+        return self.workers[uuid].want(clock_mhz, stale_after_s=stale_after_s)
+
+    def _set_power_limit(self, session: Session, grant: Grant, uuid: str, watts: float | None) -> int:
         worker = self.workers[uuid]
         if uuid not in session.leases:
-            entry = {"owner": grant.owner.to_json(), "clock_mhz": clock_mhz, "daemon_pid": os.getpid(), "since": time.time()}
+            self._take_lease(session, grant, uuid, clock_mhz=None, power_limit_w=watts)
+        elif watts is not None and uuid not in session.power_limits:  # a clock lease now limits power too
             try:
-                worker.acquire(entry)  # durable before the GPU is touched
+                worker.journal_power_limit(watts)
             except JournalError as error:
-                raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot journal the lease (failing closed): {error}", "unavailable") from None
-            self.leases[uuid] = Lease(session.id, grant.owner)
-            session.leases.add(uuid)
-        session.clocks[uuid] = clock_mhz
-        return worker.want(clock_mhz, stale_after_s=stale_after_s)
+                raise RequestFailed(protocol.E_UNAVAILABLE, f"cannot journal the power limit (failing closed): {error}",
+                                    "unavailable") from None
+        if watts is not None or uuid in session.power_limits:  # once journaled, kept until the lease ends
+            session.power_limits[uuid] = watts
+        return worker.want_power(watts)
 
     def _release(self, session: Session, uuids: Any, why: str) -> list[int]:
         tickets = []
@@ -560,7 +636,9 @@ class Daemon:
             session.leases.discard(uuid)
             session.schedules.pop(uuid, None)
             session.clocks.pop(uuid, None)
-            log.info("GPU %s back to default clocks: %s; owner was %s", uuid, why, lease.owner.describe())
+            limited = session.power_limits.pop(uuid, None) is not None
+            log.info("GPU %s back to default clocks%s: %s; owner was %s", uuid,
+                     " and power limit" if limited else "", why, lease.owner.describe())
             tickets.append(self.workers[uuid].want(None))
         return tickets
 
@@ -675,6 +753,20 @@ def _stale_after_field(message: dict[str, Any]) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _invalid("stale_after_s: must be a number of seconds (the node's monotonic clock)")
     return float(value)
+
+
+def _power_limit_field(message: dict[str, Any]) -> float | None:
+    """`watts` of a power_limit request, or None for `"reset": true` (exactly one of the two)."""
+    watts, reset = message.get("watts"), message.get("reset", False)
+    if not isinstance(reset, bool):
+        raise _invalid("reset: must be true or false")
+    if reset:
+        if watts is not None:
+            raise _invalid("watts: give either watts or reset: true, not both")
+        return None
+    if isinstance(watts, bool) or not isinstance(watts, (int, float)) or not math.isfinite(watts):
+        raise _invalid("watts: must be a number of watts (the board power limit), or reset: true for the board's default")
+    return float(watts)
 
 
 def _int_field(message: dict[str, Any], name: str) -> int:
