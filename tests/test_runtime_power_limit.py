@@ -55,3 +55,54 @@ def test_a_limit_the_simulated_board_cannot_take_is_one_clear_error():
                                           "of the simulated A100-SXM4-40GB"):
         train(parse_job(manifest), replace(_plan(manifest), power_limit_w=50.0), clock=RecordingClockClient(),
               device="cpu")
+
+
+def test_on_a_shared_simulated_gpu_the_rank_draws_under_the_limit_the_agent_set(tmp_path, monkeypatch):
+    """The dev cluster's way: the node agent limits the pod's device, the rank's work on it is
+    modelled under that limit (as a real board throttles to whatever limit it has), and the
+    agent's counter shows the lower draw."""
+    from kareus.gpu import discover
+
+    manifest = _manifest(m=2, steps=2)
+    drawn_w = {}
+    for limit_w in (None, 150.0):
+        device_dir = tmp_path / f"dev-{limit_w}"
+        agent = discover("sim", count=1, node="node-a", device_dir=device_dir)[0]
+        if limit_w is not None:
+            agent.set_power_limit_w(limit_w)
+        monkeypatch.setenv("KAREUS_SIM_GPU_DIR", str(device_dir))
+        monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", agent.uuid)
+        train(parse_job(manifest), _plan(manifest, (1410, 1410)), clock=RecordingClockClient(), device="cpu")
+        drawn_w[limit_w] = agent.energy_j() / agent.busy_s()  # the device's counter over its modelled busy time
+    assert drawn_w[150.0] <= 150.0 + 1e-6 < drawn_w[None]
+    assert drawn_w[None] > 300.0  # unlimited, the tiny model at 1410 MHz draws near the 400 W board limit
+
+
+def test_a_rolled_out_plan_that_changes_the_limit_is_asked_for_at_the_switch(tmp_path):
+    """The operator rolls out another allotment: a new limit, then none (the board's default)."""
+    import os
+
+    from kareus.plan import Plan
+    from kareus.runtime import TrainConfig, build_schedule, run_rank
+    from kareus.runtime.parallel import init_distributed
+
+    manifest = _manifest(m=2, steps=4)
+    plan_a = replace(_plan(manifest), power_limit_w=300.0)
+    swaps = {1: replace(plan_a, power_limit_w=200.0), 2: replace(plan_a, power_limit_w=None)}
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan_a.to_json())
+
+    def swap(step: int) -> None:
+        if step in swaps:
+            (tmp_path / "next.json").write_text(swaps[step].to_json())
+            os.replace(tmp_path / "next.json", plan_path)
+
+    config = TrainConfig.from_job(parse_job(manifest), device="cpu", plan_path=str(plan_path))
+    schedule = build_schedule(parse_job(manifest), Plan.loads(plan_path.read_bytes()), config)
+    clock = RecordingClockClient()
+    result, _ = run_rank(init_distributed(config.layout, device="cpu"), config, schedule, clock=clock, plan=plan_a,
+                         step_hook=swap)
+    assert result.plan_revisions == (0, 1, 2, 2)
+    asked = [r.power_limit_w for r in clock.log if r.instruction == "power_limit"]
+    assert asked == [300.0, 200.0, None]  # None: back to the board's default
+    assert clock.log[-1].instruction == "reset"
