@@ -142,6 +142,37 @@ def test_worker_fails_closed_when_the_gpu_refuses(tmp_path):
     worker.stop()
 
 
+def test_worker_limits_power_in_order_and_the_lease_end_restores_both(tmp_path):
+    gpu = discover("sim", count=1)[0]
+    journal = Journal(tmp_path)
+    worker = ClockWorker(gpu, journal)
+    worker.acquire({"clock_mhz": 1200})
+    worker.want(1200)
+    worker.journal_power_limit(250.0)  # a clock lease that now limits power: noted before the limit is set
+    assert journal.entries() == {gpu.uuid: {"clock_mhz": 1200, "power_limit_w": 250.0}}
+    assert worker.wait_applied(worker.want_power(250.0), 5)
+    assert (gpu.locked_clock_mhz(), gpu.power_limit_w()) == (1200, 250.0)
+    assert worker.wait_applied(worker.want_power(99.0), 5)  # below the board's range: the backend raises
+    assert "99" in worker.last_error and gpu.power_limit_w() == 400.0  # the default, not a stale limit
+    assert gpu.locked_clock_mhz() == 1200  # a failed limit leaves the clock alone
+    assert worker.wait_applied(worker.want_power(300.0), 5)
+    assert worker.wait_applied(worker.want(None), 5)  # the lease ends
+    assert (gpu.locked_clock_mhz(), gpu.power_limit_w()) == (None, 400.0) and journal.entries() == {}
+    assert (worker.clock_changes, worker.power_limit_changes) == (2, 3)
+    worker.stop()
+
+
+def test_a_dry_run_worker_touches_no_power_limit(tmp_path):
+    gpu = discover("sim", count=1)[0]
+    journal = Journal(tmp_path)
+    worker = ClockWorker(gpu, journal, dry_run=True)
+    worker.acquire({"clock_mhz": None})
+    worker.journal_power_limit(200.0)
+    assert worker.wait_applied(worker.want_power(200.0), 5)
+    assert gpu.power_limit_w() == 400.0 and journal.entries() == {} and worker.power_limit_changes == 0
+    worker.stop()
+
+
 def test_gpu_holders_mark_replicas_and_ignore_other_resources():
     def pod(ns, name, *device_lists):
         return api_pb2.PodResources(namespace=ns, name=name, containers=[
