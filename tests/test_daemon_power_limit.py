@@ -12,13 +12,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_daemon_support import start_daemon, wait_for
+from test_daemon_support import CLOCK_CMD, start_daemon, wait_for
 
 from kareus.daemon_client import DaemonClockClient, DaemonConnection, DaemonError, connect
 from kareus.gpu import discover, sim_uuid
@@ -197,6 +198,9 @@ def test_a_limit_left_by_a_killed_daemon_is_restored_on_start_and_nothing_else_i
             status = admin.status()
             assert status["restored_on_start"] == [GPU0]
             assert {g["uuid"]: g["locked_clock_mhz"] for g in status["gpus"]}[GPU0] is None
+        table = subprocess.run([*CLOCK_CMD, "status", "--socket", restarted.socket_path], capture_output=True,
+                               text=True, check=True).stdout.splitlines()
+        assert "LIMIT W" in table[1] and "  300  " in next(line for line in table if line.startswith(GPU1))
         assert f"restoring GPU {GPU0} to default clocks and its default power limit" in (tmp_path / "daemon.log").read_text()
     finally:
         assert restarted.stop() == 0

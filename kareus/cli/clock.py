@@ -52,7 +52,7 @@ def run_status(args: argparse.Namespace) -> int:
         return 0
     print(f"node {status['node']}  daemon pid {status['pid']}  connections {status['connections']}"
           f"{'  DRY RUN' if status['dry_run'] else ''}")
-    rows = [("GPU", "NAME", "LOCKED MHz", "SM MHz", "POWER W", "ENERGY J", "CHANGES", "OWNER")]
+    rows = [("GPU", "NAME", "LOCKED MHz", "SM MHz", "LIMIT W", "POWER W", "ENERGY J", "CHANGES", "OWNER")]
     rows += [_row(gpu) for gpu in status["gpus"]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -69,9 +69,10 @@ def _row(gpu: dict[str, Any]) -> tuple[str, ...]:
         who += f" job={owner['job']}" if owner.get("job") else ""
     else:
         who = "-"
-    locked = gpu.get("locked_clock_mhz")
+    locked, limit = gpu.get("locked_clock_mhz"), gpu.get("power_limit_w")  # no limit: an older daemon
     return (gpu["uuid"], gpu["name"], str(locked) if locked else "-", str(gpu["sm_clock_mhz"]),
-            f"{gpu['power_w']:.1f}", f"{gpu['energy_j']:.1f}", str(gpu["clock_changes"]), who)
+            "-" if limit is None else f"{limit:g}", f"{gpu['power_w']:.1f}", f"{gpu['energy_j']:.1f}",
+            str(gpu["clock_changes"]), who)
 
 
 def main(argv: list[str] | None = None) -> int:
