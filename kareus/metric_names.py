@@ -49,6 +49,11 @@ JOB_POWER_ALLOTMENT_WATTS = "kareus_job_power_allotment_watts"
 JOB_MEASURED_POWER_WATTS = "kareus_job_measured_power_watts"
 POWER_BUDGET_HELD_JOBS = "kareus_power_budget_held_jobs"
 
+# Namespace energy ledgers (kareus.energy_ledger; the operator exports them): the joules the
+# namespace's jobs spent in the current budget period (label period) and its budget per period.
+NAMESPACE_ENERGY_USED_JOULES = "kareus_namespace_energy_used_joules"
+NAMESPACE_ENERGY_BUDGET_JOULES = "kareus_namespace_energy_budget_joules"
+
 
 def all_metric_names() -> frozenset[str]:
     """Every base metric name defined above (what dashboards may refer to)."""

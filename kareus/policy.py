@@ -10,7 +10,8 @@ ConfigMap (key `policy.yaml`) that the operator reads with `load_policy`. The po
 - the SM clock floor and ceiling per GPU model (a default plus overrides keyed by the node-label
   spelling, e.g. `NVIDIA-A100-SXM4-40GB`): plans stay inside them, the node daemon refuses
   anything outside;
-- per-namespace energy budgets in kilowatt-hours;
+- per-namespace energy budgets in kilowatt-hours, for the lifetime or per UTC month, week or day
+  (`{kwh, period}`), counted in the operator's ledger (`kareus.energy_ledger`);
 - whether profiles may be reused across jobs with the same profile key;
 - which namespaces may run KareusJobs at all (empty means every namespace);
 - what a job's `podTemplateOverrides` may add to its pods (`podTemplateOverrides`, see
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from kareus.energy_ledger import PERIODS, BudgetStanding
 from kareus.errors import KareusError
 from kareus.override_policy import OverridePolicy, OverridePolicyError, load_override_policy
 
@@ -130,6 +132,8 @@ class ClusterPolicy:
     default_clock_bounds: ClockBounds = ClockBounds()
     gpu_clock_bounds: Mapping[str, ClockBounds] = field(default_factory=dict)
     namespace_energy_budgets_kwh: Mapping[str, float] = field(default_factory=dict)
+    # The period of each namespace budget (`kareus.energy_ledger.PERIODS`); absent: lifetime.
+    namespace_energy_periods: Mapping[str, str] = field(default_factory=dict)
     profile_reuse: bool = True
     allowed_namespaces: frozenset[str] = frozenset()
     power_budget: PowerBudget = PowerBudget()
@@ -149,6 +153,10 @@ class ClusterPolicy:
 
     def energy_budget_kwh(self, namespace: str) -> float | None:
         return self.namespace_energy_budgets_kwh.get(namespace)
+
+    def energy_period(self, namespace: str) -> str:
+        """The period the namespace's budget resets on (`lifetime`: never)."""
+        return self.namespace_energy_periods.get(namespace, "lifetime")
 
     def reuse_profiles(self, job_wants_reuse: bool) -> bool:
         """A job reuses a stored profile only when both it and the cluster allow it."""
@@ -189,13 +197,15 @@ def load_policy(source: str | Mapping[str, Any] | None) -> ClusterPolicy:
             f"({', '.join(sorted(allowed))})"
         )
     default_bounds, gpu_bounds = _clock_bounds(raw.get("clockBounds", {}))
+    budgets_kwh, periods = _energy_budgets(raw.get("namespaceEnergyBudgets", {}))
     return ClusterPolicy(
         allowed_objectives=allowed,
         default_objective=default,
         max_slowdown_percent=_optional_positive(raw.get("maxSlowdownPercent"), "policy.maxSlowdownPercent"),
         default_clock_bounds=default_bounds,
         gpu_clock_bounds=gpu_bounds,
-        namespace_energy_budgets_kwh=_energy_budgets(raw.get("namespaceEnergyBudgets", {})),
+        namespace_energy_budgets_kwh=budgets_kwh,
+        namespace_energy_periods=periods,
         profile_reuse=_boolean(raw.get("profileReuse", True), "policy.profileReuse"),
         allowed_namespaces=_namespaces(raw.get("allowedNamespaces", [])),
         power_budget=_power_budget(raw.get("powerBudget", {})),
@@ -312,18 +322,30 @@ def _clock_bounds(raw: Any) -> tuple[ClockBounds, dict[str, ClockBounds]]:
     return default, per_model
 
 
-def _energy_budgets(raw: Any) -> dict[str, float]:
+def _energy_budgets(raw: Any) -> tuple[dict[str, float], dict[str, str]]:
+    """kWh per namespace, and the period of each that is not a lifetime budget. An entry is a
+    number (a lifetime budget) or `{kwh, period}`."""
     where = "policy.namespaceEnergyBudgets"
     if not isinstance(raw, Mapping):
-        raise PolicyError(f"{where}: must map namespace names to kilowatt-hours")
-    budgets = {}
-    for namespace, kwh in raw.items():
-        _check_namespace(namespace, f"{where}.{namespace}")
-        budget = _optional_positive(kwh, f"{where}.{namespace}")
+        raise PolicyError(f"{where}: must map namespace names to kilowatt-hours or {{kwh, period}}")
+    budgets, periods = {}, {}
+    for namespace, entry in raw.items():
+        at = f"{where}.{namespace}"
+        _check_namespace(namespace, at)
+        period = "lifetime"
+        if isinstance(entry, Mapping):
+            _reject_unknown(entry, frozenset(("kwh", "period")), at)
+            period = entry.get("period", "lifetime")
+            if period not in PERIODS:
+                raise PolicyError(f"{at}.period: must be one of {', '.join(PERIODS)}, got {period!r}")
+            entry, at = entry.get("kwh"), f"{at}.kwh"
+        budget = _optional_positive(entry, at)
         if budget is None:
-            raise PolicyError(f"{where}.{namespace}: must be a number of kilowatt-hours > 0")
+            raise PolicyError(f"{at}: must be a number of kilowatt-hours > 0")
         budgets[namespace] = budget
-    return budgets
+        if period != "lifetime":
+            periods[namespace] = period
+    return budgets, periods
 
 
 def _watts(value: Any, where: str) -> float:
@@ -390,13 +412,16 @@ def _check_namespace(name: Any, where: str) -> None:
 
 
 def check_job(
-    policy: ClusterPolicy, namespace: str, spec: JobSpec, *, namespace_used_kwh: float = 0.0
+    policy: ClusterPolicy, namespace: str, spec: JobSpec, *, namespace_used_kwh: float = 0.0,
+    energy: BudgetStanding | None = None, check_energy: bool = True,
 ) -> list[Violation]:
     """Every way the job `spec` (a `kareus.spec.JobSpec`) in `namespace` breaks `policy`.
 
-    `namespace_used_kwh` is the energy the namespace's jobs already spent (the operator sums it
-    from job statuses); a job is refused when its namespace budget is used up or when its own
-    total-energy budget is larger than what is left.
+    The namespace's energy budget is checked against `energy` (its standing in the operator's
+    ledger, `kareus.energy_ledger`) or, without one, against `namespace_used_kwh` as a lifetime
+    budget. A job is refused when the budget is used up or when its own total-energy budget is
+    larger than what is left. `check_energy=False` leaves the energy budget out, for a job whose
+    queue enforces it (the Kueue admission check `kareus.dev/energy-budget`).
     """
     violations = []
     if not policy.namespace_allowed(namespace):
@@ -418,7 +443,11 @@ def check_job(
             f"spec.objective.timeBudget.maxSlowdownPercent: {objective.max_slowdown_percent:g} exceeds the "
             f"cluster limit of {limit:g}",
         ))
-    violations.extend(_energy_violations(policy, namespace, objective, namespace_used_kwh))
+    budget_kwh = policy.energy_budget_kwh(namespace)
+    if energy is None and budget_kwh is not None:
+        energy = BudgetStanding(namespace, budget_kwh, "lifetime", namespace_used_kwh, 0.0, None)
+    if energy is not None and check_energy:
+        violations.extend(_energy_violations(energy, objective))
     return violations
 
 
@@ -443,22 +472,13 @@ def job_objective(policy: ClusterPolicy, spec: JobSpec) -> JobObjective:
     )
 
 
-def _energy_violations(
-    policy: ClusterPolicy, namespace: str, objective: JobObjective, used_kwh: float
-) -> list[Violation]:
-    budget = policy.energy_budget_kwh(namespace)
-    if budget is None:
-        return []
-    left_kwh = budget - used_kwh
-    if left_kwh <= 0:
-        return [Violation(
-            "namespaceEnergyBudgets",
-            f"namespace {namespace!r} has used {used_kwh:g} kWh of its {budget:g} kWh energy budget",
-        )]
-    if objective.total_kwh is not None and objective.total_kwh > left_kwh:
+def _energy_violations(energy: BudgetStanding, objective: JobObjective) -> list[Violation]:
+    if energy.remaining_kwh <= 0:
+        return [Violation("namespaceEnergyBudgets", energy.text())]
+    if objective.total_kwh is not None and objective.total_kwh > energy.remaining_kwh:
         return [Violation(
             "namespaceEnergyBudgets",
             f"spec.objective.energyBudget.totalKilowattHours: {objective.total_kwh:g} is more than the "
-            f"{left_kwh:g} kWh left of namespace {namespace!r}'s {budget:g} kWh budget",
+            f"{energy.remaining_kwh:.4g} kWh left: {energy.text()}",
         )]
     return []

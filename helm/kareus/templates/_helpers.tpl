@@ -117,6 +117,14 @@ ConfigMaps it owns (the policy ConfigMap is read through the same rule), and the
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
   verbs: ["get", "list", "patch"]
+# The energy-budget admission check sets its state in a Workload's status; a LocalQueue names the
+# ClusterQueue whose checks apply to a job.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["localqueues"]
+  verbs: ["get"]
 # list: a child Job's pods refused by admission show only in the Job controller's FailedCreate Events.
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
@@ -292,6 +300,12 @@ kareus.dev/job-name
   value: {{ ternary (include "kareus.nodeAgent.namespace" .) "" .Values.operator.publishClockCeilings | quote }}
 - name: KAREUS_OPERATOR_CLOCK_CEILINGS_CONFIGMAP
   value: {{ include "kareus.clockCeilings.configMapName" . | quote }}
+{{- if .Values.kueue.energyBudgetCheck.enabled }}
+- name: KAREUS_OPERATOR_ENERGY_ADMISSION_CHECK
+  value: {{ .Values.kueue.energyBudgetCheck.name | quote }}
+- name: KAREUS_OPERATOR_ENERGY_ADMISSION_CLUSTERQUEUES
+  value: {{ join "," .Values.kueue.energyBudgetCheck.clusterQueues | quote }}
+{{- end }}
 {{- range $name, $value := .Values.operator.settings }}
 - name: {{ printf "KAREUS_OPERATOR_%s" $name }}
   value: {{ $value | quote }}
