@@ -27,7 +27,7 @@ promql_parser = pytest.importorskip("promql_parser")
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "kareus"
 TESTS = ROOT / "tests" / "promtool" / "alerts_test.yaml"
-BUDGETS_KWH = {"team-a": 0.001, "team-b": 1}
+BUDGETS_KWH = {"team-a": 0.001, "team-b": {"kwh": 1, "period": "day"}}
 VALUES = {"metrics": {"prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
           "policy": {"namespaceEnergyBudgets": BUDGETS_KWH}}
 ALERTS = {"KareusNodeAgentDown", "KareusOperatorDown", "KareusGPUClockLockedWithoutOwner",

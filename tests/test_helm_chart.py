@@ -69,6 +69,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "noWorkerServiceAccount": {"workers": {"createServiceAccount": False}},
     "ownServiceAccounts": {"operator": {"serviceAccount": {"create": False, "name": "ops"}},
                            "nodeAgent": {"serviceAccount": {"create": False, "name": "agent"}}},
+    "kueueCheck": {"kueue": {"energyBudgetCheck": {"enabled": True, "clusterQueues": ["gpus", "batch"]}}},
+    "policyPeriodic": {"policy": {"namespaceEnergyBudgets": {"team-a": 5000, "team-b": {"kwh": 300, "period": "month"}}}},
     "metricsAuth": {"nodeAgent": {"metricsAuth": "tokenreview", "metricsReaders": [
                         {"kind": "ServiceAccount", "name": "prometheus-k8s", "namespace": "monitoring"}]},
                     "metrics": {"serviceMonitor": {"enabled": True}}},
@@ -140,7 +142,9 @@ def test_helm_lint_is_clean(name):
 def test_every_object_is_valid_kubernetes(objects, version):
     # Each distinct object of every values set, validated once per Kubernetes version.
     unique = {json.dumps(o, sort_keys=True): o for objs in objects.values() for o in objs.values()
-              if o["apiVersion"] != MONITORING_GROUP}  # prometheus-operator CRDs: see test_monitors_*
+              if o["apiVersion"] != MONITORING_GROUP  # prometheus-operator CRDs: see test_monitors_*
+              and not o["apiVersion"].startswith("kueue.x-k8s.io/")}  # Kueue's: the real Kueue's CRDs take it
+                                                                       # in tests/test_kueue_energy_budget.py
     assert len(unique) > 20
     for obj in unique.values():
         kubernetes_validate.validate(obj, version, strict=True)
@@ -155,7 +159,8 @@ def test_schema_validation_catches_a_bad_object():
 
 def test_default_render_has_the_expected_objects(objects):
     kinds = sorted(k for k, _, _ in objects["default"])
-    assert kinds.count("CustomResourceDefinition") == 1
+    assert kinds.count("CustomResourceDefinition") == 2  # KareusJob, KareusEnergyLedger
+    assert "AdmissionCheck" not in kinds  # Kueue's CRDs may not exist
     assert kinds.count("Deployment") == 1 and kinds.count("DaemonSet") == 1
     assert kinds.count("Namespace") == 1  # the node agent's own namespace
     assert kinds.count("ConfigMap") == 2 + 3  # policy, node agent config, three dashboards
@@ -177,6 +182,8 @@ def test_default_render_has_the_expected_objects(objects):
         ({"policy": {"allowedObjectives": ["fastest"]}}, "allowedObjectives"),
         ({"policy": {"clockBounds": {"default": {"floorMhz": 900}}}}, "floorMhz"),
         ({"policy": {"namespaceEnergyBudgets": {"Team_A": 10}}}, "Team_A"),
+        ({"policy": {"namespaceEnergyBudgets": {"team-a": {"kwh": 10, "period": "year"}}}}, "period"),
+        ({"kueue": {"energyBudgetCheck": {"clusterQueue": ["gpus"]}}}, "clusterQueue"),
         ({"policy": {"maxSlowdownPercent": "5%"}}, "maxSlowdownPercent"),
         ({"operator": {"args": {"watchNamespaces": ["Not A Namespace"]}}}, "watchNamespaces"),
         ({"operator": {"workerImage": {"pullPolicy": "Sometimes"}}}, "pullPolicy"),
@@ -200,11 +207,15 @@ def test_values_typo_fails_via_the_schema(chart, values, field):
 # ---------------------------------------------------------------- the CRD
 
 
-def test_chart_crd_is_a_link_to_the_repository_crd():
+CRDS = {"kareusjob": "kareusjobs.kareus.dev", "kareusenergyledger": "kareusenergyledgers.kareus.dev"}
+
+
+@pytest.mark.parametrize("name", sorted(CRDS))
+def test_chart_crd_is_a_link_to_the_repository_crd(name):
     # Helm cannot read outside the chart; a relative link keeps one source of truth (Helm follows it).
-    link = CHART / "files" / "kareusjob.crd.yaml"
+    link = CHART / "files" / f"{name}.crd.yaml"
     assert link.is_symlink() and not Path(link.readlink()).is_absolute()
-    assert link.resolve() == (ROOT / "crds" / "kareusjob.yaml").resolve()
+    assert link.resolve() == (ROOT / "crds" / f"{name}.yaml").resolve()
 
 
 def test_packaged_chart_carries_the_crd_content_and_no_build_helpers(tmp_path, objects):
@@ -222,23 +233,24 @@ def test_packaged_chart_carries_the_crd_content_and_no_build_helpers(tmp_path, o
         assert objects_of(packaged.render({}, name=RELEASE, namespace=NAMESPACE)) == objects["default"]
 
 
-def test_rendered_crd_is_the_repository_crd_plus_labels_and_keep(objects):
-    source = next(d for d in yaml.safe_load_all((ROOT / "crds" / "kareusjob.yaml").read_text()) if d)
-    crd = one(objects["default"], "CustomResourceDefinition")
+@pytest.mark.parametrize("name", sorted(CRDS))
+def test_rendered_crd_is_the_repository_crd_plus_labels_and_keep(objects, name):
+    source = next(d for d in yaml.safe_load_all((ROOT / "crds" / f"{name}.yaml").read_text()) if d)
+    crd = objects["default"][("CustomResourceDefinition", "", CRDS[name])]
     assert crd["spec"] == source["spec"]
     assert crd["metadata"]["name"] == source["metadata"]["name"]
     assert source["metadata"].get("labels", {}).items() <= crd["metadata"]["labels"].items()
     assert crd["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    assert "helm.sh/resource-policy" not in one(objects["crdsNotKept"], "CustomResourceDefinition")["metadata"].get(
-        "annotations", {})
+    assert "helm.sh/resource-policy" not in objects["crdsNotKept"][("CustomResourceDefinition", "", CRDS[name])][
+        "metadata"].get("annotations", {})
 
 
 def test_examples_are_accepted_and_bad_jobs_refused_by_the_shipped_crd(objects, kubectl, control_plane,
                                                                        kube_client, tmp_path):
     """The CRD as the chart renders it, applied to the session's real API server (tests/conftest.py)."""
     shipped = tmp_path / "kareusjob.crd.yaml"
-    shipped.write_text(yaml.safe_dump(one(objects["default"], "CustomResourceDefinition")))
+    shipped.write_text(yaml.safe_dump(objects["default"][("CustomResourceDefinition", "", CRDS["kareusjob"])]))
     served = apply_crd(kubectl, control_plane, shipped)
     assert served["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE  # the chart's, not the file's
     jobs = [d for path in sorted((ROOT / "examples").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text())
@@ -504,6 +516,31 @@ def test_watched_namespaces_get_roles_instead_of_cluster_wide_rights(objects):
                                      "resourceNames": ["kareus-policy"], "verbs": ["get", "watch"]}]
 
 
+def test_the_energy_budget_check_ships_with_the_rights_it_needs_and_no_more(objects):
+    check = objects["kueueCheck"][("AdmissionCheck", "", "kareus-energy-budget")]
+    assert check["apiVersion"] == "kueue.x-k8s.io/v1beta2" and check["spec"] == {"controllerName": "kareus.dev/energy-budget"}
+    env = {e["name"]: e.get("value") for e in one(objects["kueueCheck"], "Deployment")["spec"]["template"]["spec"][
+        "containers"][0]["env"]}
+    assert env["KAREUS_OPERATOR_ENERGY_ADMISSION_CHECK"] == "kareus-energy-budget"
+    assert env["KAREUS_OPERATOR_ENERGY_ADMISSION_CLUSTERQUEUES"] == "gpus,batch"
+    budgets = objects["kueueCheck"][("ClusterRole", "", "kareus-operator-budgets")]["rules"]
+    assert {"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"], "resourceNames": ["gpus", "batch"],
+            "verbs": ["patch"]} in budgets
+    # Without attached queues (the default) the operator may read ClusterQueues but patch none.
+    default = objects["default"][("ClusterRole", "", "kareus-operator-budgets")]["rules"]
+    assert not any("clusterqueues" in r["resources"] and "patch" in r["verbs"] for r in default)
+    assert {"apiGroups": ["kareus.dev"], "resources": ["kareusenergyledgers/status"], "verbs": ["get", "patch"]} in default
+    # The ledgers have no delete and no update: the operator only adds to them.
+    assert all(not {"delete", "update"} & set(r["verbs"]) for r in default)
+
+
+def test_periodic_budgets_reach_the_policy_the_operator_reads(objects):
+    text = objects["policyPeriodic"][("ConfigMap", NAMESPACE, "kareus-policy")]["data"]["policy.yaml"]
+    policy = load_policy(text)
+    assert policy.energy_budget_kwh("team-b") == 300 and policy.energy_period("team-b") == "month"
+    assert policy.energy_period("team-a") == "lifetime"
+
+
 # ---------------------------------------------------------------- toggles change exactly what they should
 
 
@@ -528,8 +565,13 @@ WORKERS = {(kind, ns, "kareus-worker") for ns in ("team-a", "team-b")
         ("podMonitor", keys(("PodMonitor", NAMESPACE, "kareus-training")), set(), set()),
         ("noDashboards", set(), DASHBOARDS, set()),
         ("dashboardsElsewhere", {(k, "monitoring", n) for k, _, n in DASHBOARDS}, DASHBOARDS, set()),
-        ("noCrds", set(), keys(("CustomResourceDefinition", "", "kareusjobs.kareus.dev")), set()),
-        ("crdsNotKept", set(), set(), keys(("CustomResourceDefinition", "", "kareusjobs.kareus.dev"))),
+        ("noCrds", set(), {("CustomResourceDefinition", "", n) for n in CRDS.values()}, set()),
+        ("crdsNotKept", set(), set(), {("CustomResourceDefinition", "", n) for n in CRDS.values()}),
+        # the check object, the operator's settings naming it, and the right to patch only those queues
+        ("kueueCheck", keys(("AdmissionCheck", "", "kareus-energy-budget")), set(),
+         keys(("Deployment", NAMESPACE, "kareus-operator"), ("ClusterRole", "", "kareus-operator-budgets"))),
+        # the policy and the alert rules read the budgets (no PrometheusRule by default: only the policy)
+        ("policyPeriodic", set(), set(), keys(("ConfigMap", NAMESPACE, "kareus-policy"))),
         ("policySlowdownOnly", set(), set(), keys(("ConfigMap", NAMESPACE, "kareus-policy"))),
         # Clock bounds and allowed namespaces are also enforced by the node agent, which reads them at start.
         ("policyClockBounds", set(), set(), keys(("ConfigMap", NAMESPACE, "kareus-policy"),

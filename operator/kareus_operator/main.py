@@ -97,9 +97,11 @@ def _run(args: argparse.Namespace) -> int:
                         await health.cleanup()
                     return 0
             controller.power.namespaces = tuple(namespaces)
+            controller.admission.namespaces = tuple(namespaces)
             tasks = [asyncio.create_task(controller.resync_forever(namespaces)),
                      asyncio.create_task(controller.watch_children(namespaces)),
-                     asyncio.create_task(controller.power.run_forever())]
+                     asyncio.create_task(controller.power.run_forever()),
+                     asyncio.create_task(controller.admission.run_forever())]
             if elector is not None:
                 tasks += [asyncio.create_task(elector.hold(lost)), asyncio.create_task(_stop_when(lost, stop))]
             try:

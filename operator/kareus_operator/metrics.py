@@ -73,6 +73,14 @@ class OperatorMetrics:
         self.power_budget = Gauge(metric_names.POWER_BUDGET_WATTS,
                                   "Power budget in watts, per scope (cluster, gpuProduct, nodePool)",
                                   ["scope", "name"], registry=self.registry)
+        self.namespace_energy_used = Gauge(
+            metric_names.NAMESPACE_ENERGY_USED_JOULES,
+            "GPU energy a namespace's KareusJobs spent in the current budget period (its KareusEnergyLedger)",
+            ["namespace", "period"], registry=self.registry)
+        self.namespace_energy_budget = Gauge(metric_names.NAMESPACE_ENERGY_BUDGET_JOULES,
+                                             "A namespace's energy budget per period (policy.namespaceEnergyBudgets)",
+                                             ["namespace", "period"], registry=self.registry)
+        self._ledger_labels: set[tuple[str, str]] = set()
         self.power_held = Gauge(metric_names.POWER_BUDGET_HELD_JOBS,
                                 "KareusJobs held (not started) because the power budget cannot fit them",
                                 registry=self.registry)
@@ -190,6 +198,19 @@ class OperatorMetrics:
             self.power_budget.remove(*gone)
         self._budget_scopes = current
         self.power_held.set(len(allocation.held) if allocation is not None else 0)
+
+    def observe_ledger(self, ledger: Any, budget_kwh: float | None) -> None:
+        """A namespace's ledger (`kareus.energy_ledger.NamespaceLedger`) as last written, and its budget."""
+        for old in [k for k in self._ledger_labels if k[0] == ledger.namespace]:  # a changed period
+            for gauge in (self.namespace_energy_used, self.namespace_energy_budget):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*old)
+            self._ledger_labels.discard(old)
+        labels = (ledger.namespace, ledger.period)
+        self.namespace_energy_used.labels(*labels).set(ledger.period_energy_j)
+        if budget_kwh is not None:
+            self.namespace_energy_budget.labels(*labels).set(budget_kwh * 3.6e6)
+        self._ledger_labels.add(labels)
 
     def profile_cache_hit(self) -> None:
         self.cache_hits.inc()

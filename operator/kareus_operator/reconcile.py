@@ -40,7 +40,9 @@ from kareus.profiler.key import profile_key
 from kareus.spec import JobSpec, SpecError, parse_job
 from kareus_operator import conditions as cond
 from kareus_operator import manifests as mf
+from kareus_operator.admission_check import rejection
 from kareus_operator.conditions import Want
+from kareus_operator.energy_ledgers import EnergyLedgers, job_energy_j
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
 from kareus_operator.progress import checkpoint_status, progress_fields
@@ -194,6 +196,8 @@ class Reconciler:
         self._policy: tuple[float, ClusterPolicy] | None = None
         self._refusals: dict[str, int] = {}  # job uid → refusals in a row (the backoff's exponent)
         self.power: Any = None  # a kareus_operator.power.PowerAllocator, wired by the controller
+        self.ledgers = EnergyLedgers(kube, self.policy)
+        self.admission: Any = None  # a kareus_operator.admission_check.EnergyAdmissionCheck, wired likewise
 
     # ------------------------------------------------------------------ entry
 
@@ -275,19 +279,16 @@ class Reconciler:
         if p.true("Profiled"):
             return False  # admitted once; a later policy change does not kill running jobs
         policy = await self.policy()
-        used_kwh = await self._namespace_used_kwh(p.ns) if policy.energy_budget_kwh(p.ns) is not None else 0.0
-        violations = check_job(policy, p.ns, spec, namespace_used_kwh=used_kwh)
+        queued = self.admission is not None and await self.admission.queue_checks_energy(p.ns, p.job)
+        energy = None
+        if not queued and policy.energy_budget_kwh(p.ns) is not None and self.ledgers is not None:
+            energy = await self.ledgers.standing(p.ns)
+        violations = check_job(policy, p.ns, spec, energy=energy, check_energy=not queued)
         if not violations:
             return False
         message = "; ".join(f"policy.{v.rule}: {v.message}" for v in violations)
         p.want("Failed", True, "PolicyViolation", message)
         return True
-
-    async def _namespace_used_kwh(self, namespace: str) -> float:
-        """Energy the namespace's KareusJobs have measured so far (for its policy budget)."""
-        jobs = await self.kube.list(path(mf.API_VERSION, "kareusjobs", namespace))
-        return sum(float(((j.get("status") or {}).get("measured") or {}).get("energyJoules") or 0.0)
-                   for j in jobs) / 3.6e6
 
     async def _past_deadline(self, p: _Pass, spec: JobSpec) -> bool:
         """`activeDeadlineSeconds` counts active time only: time suspended (by `spec.suspend`, or a
@@ -497,6 +498,8 @@ class Reconciler:
             await self._restart_gang(p, spec, child, pods)
             return
         if phase == "Suspended":
+            if await self._rejected_by_queue(p, child):
+                return
             self._waiting(p, child, "Training")
             return
         p.want("Training", True, "Running", f"{p.status['workers']['ready']}/{spec.training.nodes} training pod(s) ready")
@@ -590,7 +593,10 @@ class Reconciler:
             measured["lastUpdateTime"] = iso(p.now)
         else:
             measured["lastUpdateTime"] = p.status["measured"].get("lastUpdateTime", iso(p.now))
+        old_j = job_energy_j({"status": p.status})
         p.status["measured"] = measured
+        if job_energy_j({"status": p.status}) != old_j:
+            await self.ledgers.record({"metadata": p.meta, "status": p.status})
         over = _budget_overrun(spec, measured)
         if over is not None:
             p.want("BudgetExceeded", True, "EnergyBudgetExceeded", over)
@@ -637,8 +643,29 @@ class Reconciler:
             self._fail(p, reason, f"{text} ({why.format(limit=spec.backoff_limit)})")
             return "Failed"
         if phase == "Suspended":
+            if await self._rejected_by_queue(p, child):
+                return "Failed"
             self._waiting(p, child, CONDITION_OF_ROLE[stage])
         return phase
+
+    async def _rejected_by_queue(self, p: _Pass, child: Mapping[str, Any]) -> bool:
+        """A queued child whose Workload an admission check rejected (the energy-budget check when
+        waiting cannot make the job fit): Kueue deactivates the Workload and the Job would stay
+        suspended for ever, so the job fails with the check's message."""
+        if not (child["metadata"].get("labels") or {}).get(LABEL_QUEUE):
+            return False
+        try:
+            workloads = await self.kube.list(path(KUEUE_API, "workloads", p.ns), f"{KUEUE_JOB_UID}={child['metadata']['uid']}")
+        except ApiError as error:
+            if error.code in (403, 404):
+                return False
+            raise
+        message = next((m for m in map(rejection, workloads) if m), None)
+        if message is None:
+            return False
+        await self._stop_children(p)
+        self._fail(p, "AdmissionCheckRejected", message)
+        return True
 
     def _waiting(self, p: _Pass, child: Mapping[str, Any], condition: str) -> None:
         """A child held suspended by Kueue (not admitted yet, or preempted): the job waits, and the

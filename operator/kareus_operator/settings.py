@@ -68,6 +68,11 @@ class Settings:
     # and a power budget stays advisory (the operator warns).
     clock_ceilings_namespace: str = ""
     clock_ceilings_configmap: str = "kareus-clock-ceilings"
+    # The Kueue AdmissionCheck this operator answers (controllerName kareus.dev/energy-budget), and the
+    # ClusterQueues it adds that check to (the chart's kueue.energyBudgetCheck). Checks of any name with
+    # that controllerName are answered; the name matters only for attaching.
+    energy_admission_check: str = "kareus-energy-budget"
+    energy_admission_clusterqueues: tuple[str, ...] = ()
     # The node daemon's TCP port on every GPU node (the chart's nodeAgent.port).
     node_daemon_port: int = 9477
     # /dev/shm of GPU pods: a memory-backed emptyDir (NCCL's shared-memory transport needs far
