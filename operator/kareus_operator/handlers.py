@@ -68,7 +68,9 @@ class Controller:
         # admission check that holds queued jobs for their budgets.
         self.ledgers = self.reconciler.ledgers
         self.ledgers.on_write = self.metrics.observe_ledger
-        self.admission = EnergyAdmissionCheck(kube, self.ledgers, self.power, settings.watch_namespaces)
+        self.admission = EnergyAdmissionCheck(kube, self.ledgers, self.power, settings.watch_namespaces,
+                                              check_name=settings.energy_admission_check,
+                                              attach_to=settings.energy_admission_clusterqueues)
         self.reconciler.admission = self.admission
         self._running: set[tuple[str, str]] = set()
         self._dirty: set[tuple[str, str]] = set()
