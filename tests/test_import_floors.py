@@ -21,7 +21,8 @@ BASE = {"kareus", "kareus.errors", "kareus.metric_names"}  # version, errors, me
 CORE = BASE | {"kareus.search", "kareus.workload", "kareus.spec", "kareus.policy", "kareus.sim", "kareus.gpu",
                "kareus.job", "kareus.objective", "kareus.plan", "kareus.profiler", "kareus.optimizer",
                "kareus.report", "kareus.daemon_client", "kareus.runtime", "kareus.launcher", "kareus.incluster",
-               "kareus.straggler", "kareus.power_budget", "kareus.compressed", "kareus.override_policy"}
+               "kareus.straggler", "kareus.power_budget", "kareus.compressed", "kareus.override_policy",
+               "kareus.energy_ledger"}
 
 # unit → the units it may import (besides itself). A unit is `kareus.<top-level module or package>`,
 # or one of the shells' packages.
@@ -36,8 +37,9 @@ ALLOWED: dict[str, set[str]] = {
     "kareus.objective": {"kareus.errors"},
     "kareus.compressed": {"kareus.errors"},
     "kareus.override_policy": {"kareus.errors"},
+    "kareus.energy_ledger": {"kareus.errors"},
     "kareus.spec": {"kareus.errors", "kareus.workload"},
-    "kareus.policy": {"kareus.errors", "kareus.spec", "kareus.override_policy"},
+    "kareus.policy": {"kareus.errors", "kareus.spec", "kareus.override_policy", "kareus.energy_ledger"},
     "kareus.sim": {"kareus.errors", "kareus.workload"},
     "kareus.gpu": {"kareus.errors", "kareus.sim"},
     "kareus.job": {"kareus.errors", "kareus.workload"},
