@@ -20,6 +20,12 @@ plan under — what the power-budget allocator gives a job whose point lies belo
 end (`kareus.power_budget`, `Allotment.power_limit_w`). The runtime asks the node agent for it and
 restores the board's default when it exits.
 
+`power_limited_points` (optional, absent in older plans: none) are a few frontier rows predicted
+under per-GPU power limits (`PowerLimitedPoint`: row, limit, time, energy), computed by
+`kareus optimize` on the simulated GPU (`kareus.power_budget.twin.plan_power_limited_points`), so
+the operator's power allocator can reach below the frontier's low end without a simulator of its
+own. They are the frontier's, not the selected row's: `reselect` and `plan_at_row` keep them.
+
 Validation is two-layered: the JSON Schema (shape and types) and semantic checks against the
 job's `Workload` (known partition types, launch slots and SM counts, 1F1B order, clocks in the
 GPU's list). Every error carries its field path.
@@ -241,6 +247,29 @@ class MethodFrontier:
 
 
 @dataclass(frozen=True)
+class PowerLimitedPoint:
+    """Frontier row `row` run with every GPU's board power limit at `power_limit_w`: its predicted
+    iteration time and energy (all GPUs, static included), slower than the row alone."""
+
+    row: int
+    power_limit_w: float
+    time_s: float
+    energy_j: float
+
+    def to_dict(self) -> dict:
+        return {"row": self.row, "power_limit_w": self.power_limit_w, "time_s": self.time_s,
+                "energy_j": self.energy_j}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> PowerLimitedPoint:
+        return cls(row=int(data["row"]), power_limit_w=float(data["power_limit_w"]), time_s=float(data["time_s"]),
+                   energy_j=float(data["energy_j"]))
+
+
+MAX_POWER_LIMITED_POINTS = 64  # the schema's bound: 3 rows × 16 limits fit, a plan stays small
+
+
+@dataclass(frozen=True)
 class Plan:
     """A training plan; see the module docstring. `selected_row` indexes `frontier.rows`."""
 
@@ -253,6 +282,7 @@ class Plan:
     selected_row: int = 0
     baselines: Mapping[str, MethodFrontier] = field(default_factory=dict)
     power_limit_w: float | None = None  # per GPU; None: the board's default
+    power_limited_points: tuple[PowerLimitedPoint, ...] = ()
 
     @property
     def method(self) -> str:
@@ -273,6 +303,8 @@ class Plan:
             "frontier": self.frontier.to_dict(),
             "baselines": {name: mf.to_dict() for name, mf in self.baselines.items()},
             **({} if self.power_limit_w is None else {"power_limit_w": self.power_limit_w}),
+            **({"power_limited_points": [p.to_dict() for p in self.power_limited_points]}
+               if self.power_limited_points else {}),
         }
 
     @classmethod
@@ -294,6 +326,7 @@ class Plan:
             selected_row=data.get("selected_row", 0),
             baselines={k: MethodFrontier.from_dict(v) for k, v in data.get("baselines", {}).items()},
             power_limit_w=None if data.get("power_limit_w") is None else float(data["power_limit_w"]),
+            power_limited_points=tuple(PowerLimitedPoint.from_dict(p) for p in data.get("power_limited_points") or ()),
         )
 
     def to_json(self) -> str:
@@ -378,7 +411,8 @@ def reselect(plan: Plan, objective: object, *, steps: int | None = None,
     job = plan.job if steps is None else replace(plan.job, steps=steps)
     provenance = replace(plan.provenance, created=_now_text())
     return replace(plan_from_frontier(job, plan.frontier, objective, provenance=provenance,
-                                      baselines=plan.baselines, now=now), job=plan.job)
+                                      baselines=plan.baselines, now=now), job=plan.job,
+                   power_limited_points=plan.power_limited_points)
 
 
 def plan_at_row(plan: Plan, row: int) -> Plan:
@@ -463,6 +497,9 @@ def _semantic_errors(data: Mapping) -> Iterator[str]:
     yield from _frontier_errors(data["frontier"], job, workload, clocks)
     if data.get("selected_row", 0) >= len(data["frontier"]["rows"]):
         yield f"selected_row: must index frontier.rows (0..{len(data['frontier']['rows']) - 1})"
+    for k, point in enumerate(data.get("power_limited_points") or ()):
+        if point["row"] >= len(data["frontier"]["rows"]):
+            yield f"power_limited_points[{k}].row: must index frontier.rows (0..{len(data['frontier']['rows']) - 1})"
     try:
         parse_objective(data["objective"])
     except KareusError as error:

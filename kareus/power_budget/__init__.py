@@ -13,7 +13,14 @@ from kareus.power_budget.allocator import (
     PowerPoint,
     allocate,
 )
-from kareus.power_budget.twin import JobRun, PolicyRun, Twin, compare_with_uniform_limit, power_limited_points
+from kareus.power_budget.twin import (
+    JobRun,
+    PolicyRun,
+    Twin,
+    compare_with_uniform_limit,
+    plan_power_limited_points,
+    power_limited_points,
+)
 
 __all__ = [
     "MAX_CELLS",
@@ -30,6 +37,7 @@ __all__ = [
     "Twin",
     "allocate",
     "compare_with_uniform_limit",
+    "plan_power_limited_points",
     "power_limited_points",
 ]
 

@@ -153,6 +153,43 @@ def power_limited_points(twin: Twin, k: int, *, steps: int = LADDER_STEPS,
     return tuple(points)
 
 
+def check_ladder_steps(steps: int) -> int:
+    """`steps` if a plan can store its ladder (three rows of `steps` limits each), else one error."""
+    from kareus.plan import MAX_POWER_LIMITED_POINTS
+
+    if not 0 <= steps <= MAX_POWER_LIMITED_POINTS // 3:
+        raise KareusError(f"--power-limit-steps must be 0..{MAX_POWER_LIMITED_POINTS // 3}, got {steps}")
+    return steps
+
+
+def plan_power_limited_points(plan: Any, *, steps: int = LADDER_STEPS) -> tuple[Any, ...]:
+    """What `kareus optimize` stores in a plan (`Plan.power_limited_points`): `power_limited_points`
+    of the plan alone on its simulated GPU, each point taken as its row's plan prediction times the
+    twin's ratio of the limited to the free run of that row — the plan's own numbers for the row
+    (a profile measured on a real GPU differs from the preset), the limit's effect from the twin's
+    power controller (on a plan profiled on the simulator the ratios are the runs themselves).
+    Only points slower and lower-power than their row are kept. Empty when the simulator has no
+    preset of the plan's GPU, or `steps` is 0."""
+    from kareus.plan import PowerLimitedPoint
+    from kareus.sim import get_gpu
+
+    if check_ladder_steps(steps) == 0:
+        return ()
+    try:
+        get_gpu(plan.job.gpu)
+    except KareusError:
+        return ()
+    twin = Twin([(plan.job.name or "plan", plan)])
+    points = []
+    for point in power_limited_points(twin, 0, steps=steps):
+        row, free = plan.frontier.rows[point.row], twin.run(0, point.row)
+        time_s = row.time_s * point.time_s / free.time_s
+        energy_j = row.energy_j * point.energy_j / free.energy_j
+        if time_s > row.time_s and energy_j / time_s < row.energy_j / row.time_s:
+            points.append(PowerLimitedPoint(point.row, point.power_limit_w, time_s, energy_j))
+    return tuple(points)
+
+
 def closed_loop_share(uniform: Callable[[float], PolicyRun], power_w: float, low: float) -> float | None:
     """The largest share in [low, 1] at which `uniform(share)` draws at most `power_w` (bisection);
     None when even `low` draws more."""
