@@ -17,10 +17,15 @@ The allocation is *applied* by each job's own reconcile (`apply`, called from `R
 so the job's status has one writer and one write path — the reconciler's Outcome, merged into the
 status subresource by the controller — and a pass can never race a reconcile's status write. A
 pass only remembers allotments and wakes the jobs whose allotment differs from what their status
-says. `apply` rolls a new frontier row out through the plan ConfigMap (as a re-selection does: the
-runtime switches at its next step boundary), writes `status.power`, the `PowerAllotted` condition
-and an Event when the allotment changes, and tells the reconciler not to create the training Job
-of a held job.
+says. `apply` rolls a new frontier row and per-GPU power limit out through the plan ConfigMap (as a
+re-selection does: the runtime switches at its next step boundary and asks its node agent for the
+limit), writes `status.power`, the `PowerAllotted` condition and an Event when the allotment
+changes, and tells the reconciler not to create the training Job of a held job.
+
+A job's points are its plan's frontier rows and the power-limited points its plan carries
+(`Plan.power_limited_points`, computed by `kareus optimize` on the simulated GPU), so below the
+frontiers' low ends the allocation gives some jobs a row under a power limit instead of being
+infeasible.
 
 Between a pass that admits a new job and the write of that job's status, the pass keeps the job's
 in-flight status (`_pending`), so a second pass in that window still counts it.
@@ -36,13 +41,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kareus.errors import KareusError
-from kareus.plan import Plan, plan_at_row
+from kareus.plan import Plan, Prediction, plan_at_row
 from kareus.policy import ClusterPolicy, PowerBudget
-from kareus.power_budget import Allocation, Allotment, PowerJob, allocate
+from kareus.power_budget import Allocation, Allotment, PowerJob, PowerPoint, allocate
 from kareus.spec import JobSpec, SpecError, parse_job
 from kareus_operator import conditions as cond
 from kareus_operator import manifests as mf
@@ -99,14 +104,19 @@ def node_pool(spec: JobSpec, label: str) -> str:
 
 
 def power_job(job: Mapping[str, Any], spec: JobSpec, plan: Plan, budget: PowerBudget) -> PowerJob:
-    """The allocator's view of one KareusJob (named `namespace/name`)."""
+    """The allocator's view of one KareusJob (named `namespace/name`): its frontier rows and its
+    plan's power-limited points. The objective's bounds come from the frontier alone (a limited
+    point is slower than its row, so "fastest" stays the frontier's)."""
     status = job.get("status") or {}
     done = int((status.get("measured") or {}).get("iterations") or 0)
     namespace, name = job_key(job)
     product = status.get("gpuProduct") if not spec.gpu_pinned and status.get("gpuProduct") else spec.gpu_product
-    return PowerJob.from_plan(f"{namespace}/{name}", plan, objective=spec.objective.to_dict(),
+    base = PowerJob.from_plan(f"{namespace}/{name}", plan, objective=spec.objective.to_dict(),
                               steps=max(1, spec.training.steps - done), gpu_product=product,
                               node_pool=node_pool(spec, budget.node_pool_label), running=running(job))
+    limited = tuple(PowerPoint(p.row, p.time_s, p.energy_j, power_limit_w=p.power_limit_w)
+                    for p in plan.power_limited_points)
+    return replace(base, points=base.points + limited) if limited else base
 
 
 def admission_order(jobs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -131,6 +141,8 @@ def power_status(allotment: Allotment, allocation: Allocation) -> dict[str, Any]
         "normalisedThroughput": round(allotment.normalised_throughput, 6), "message": allotment.reason}
     if allotment.time_s is not None:
         out["predictedIterationSeconds"] = allotment.time_s
+    if allotment.power_limit_w is not None:
+        out["powerLimitWatts"] = round(allotment.power_limit_w, 3)
     budget = budget_of(allocation, allotment.name)
     if budget is not None:
         out["budget"], out["budgetWatts"], out["budgetPredictedWatts"] = budget[0], budget[1], round(budget[2], 3)
@@ -145,17 +157,19 @@ def condition_of(power: Mapping[str, Any]) -> tuple[bool, str, str]:
               "predicted" if "budget" in power else "")
     if power["held"]:
         return False, "Held", f"held, not started: the power budget cannot fit it{budget}. {power['message']}".strip()
-    text = f"{power['allottedWatts']:.0f} W at frontier row {power['frontierRow']}{budget}"
+    limit = f" under a {power['powerLimitWatts']:.0f} W per-GPU power limit" if "powerLimitWatts" in power else ""
+    text = f"{power['allottedWatts']:.0f} W at frontier row {power['frontierRow']}{limit}{budget}"
     if not power["feasible"]:
         return True, "PowerBudgetExceeded", f"{text}; {power['message']}"
     return True, "Allotted", text
 
 
 def same_allotment(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
-    """Two `status.power` values that need no new Event or rollout (row, held, feasible, watts)."""
+    """Two `status.power` values that need no new Event or rollout (row, power limit, held, feasible,
+    watts)."""
     def core(p: Mapping[str, Any] | None) -> tuple | None:
-        return None if p is None else (p.get("frontierRow"), p.get("held"), p.get("feasible"),
-                                       round(float(p.get("allottedWatts") or 0.0), 1))
+        return None if p is None else (p.get("frontierRow"), p.get("powerLimitWatts"), p.get("held"),
+                                       p.get("feasible"), round(float(p.get("allottedWatts") or 0.0), 1))
     return core(a) == core(b)
 
 
@@ -371,6 +385,7 @@ class PowerAllocator:
             if old is not None:
                 p.status.pop("power")
                 p.want(CONDITION, False, "NoPowerBudget", "no power budget applies to this job")
+                await self._roll_out(p, spec, None, None)  # a limit the budget set goes with it
             return False
         allotment, allocation = got
         power = power_status(allotment, allocation)
@@ -380,7 +395,8 @@ class PowerAllocator:
             pending = self._pending.get((p.ns, p.name))
             if pending is not None and not started:
                 pending[1]["trainingStartTime"] = "starting"  # later passes count it as running
-            await self._roll_out(p, spec, allotment)
+            await self._roll_out(p, spec, allotment.row, allotment.power_limit_w,
+                                 Prediction(allotment.time_s, allotment.energy_j))
         p.status["power"] = power
         status, reason, message = condition_of(power)
         p.want(CONDITION, status, reason, message)
@@ -390,16 +406,24 @@ class PowerAllocator:
             p.events.append(("Normal" if reason == "Allotted" else "Warning", EVENT_REASON[reason], message))
         return allotment.held
 
-    async def _roll_out(self, p: Any, spec: JobSpec, allotment: Allotment) -> None:
-        """The allotted frontier row into the plan ConfigMap (a new plan revision), if it differs."""
+    async def _roll_out(self, p: Any, spec: JobSpec, row: int | None, power_limit_w: float | None,
+                        predicted: Prediction | None = None) -> None:
+        """Frontier row `row` (None: the plan's own) under per-GPU `power_limit_w` (None: none) into
+        the plan ConfigMap as one new plan revision, if either differs; `predicted` is the point's
+        prediction (a limited point is slower than its row)."""
         from kareus_operator.reconcile import PlanSummary, next_plan_revision, plan_data
 
         cm_name = mf.plan_configmap_name(p.name)
         cm = await self.kube.get(path("v1", "configmaps", p.ns, cm_name))
         plan = await self.plan_of((p.ns, p.name), cm, uid=p.meta["uid"])
-        if plan is None or allotment.row is None or plan.selected_row == allotment.row:
+        if plan is None:
             return
-        new = plan_at_row(plan, allotment.row)
+        row = plan.selected_row if row is None else row
+        if plan.selected_row == row and plan.power_limit_w == power_limit_w:
+            return
+        new = replace(plan_at_row(plan, row), power_limit_w=power_limit_w)
+        if power_limit_w is not None and predicted is not None:
+            new = replace(new, predicted=predicted)
         written = await self.kube.merge_patch(path("v1", "configmaps", p.ns, cm_name), {
             "metadata": {"annotations": {ANNOTATION_PLAN_REVISION: next_plan_revision(cm)}}, **plan_data(new.to_json())})
         if written is not None:
@@ -408,4 +432,10 @@ class PowerAllocator:
         reselections = int((p.status.get("plan") or {}).get("reselections", 0))
         p.status["plan"] = summary.status(cm_name, reselections=reselections, steps=spec.training.steps)
         p.events.append(("Normal", "PlanReallocated",
-                         f"power budget: frontier row {plan.selected_row} → {allotment.row} ({summary.text()})"))
+                         f"power budget: {_point_text(plan.selected_row, plan.power_limit_w)} → "
+                         f"{_point_text(row, power_limit_w)} ({summary.text()})"))
+
+
+def _point_text(row: int, power_limit_w: float | None) -> str:
+    limit = "" if power_limit_w is None else f" under a {power_limit_w:.0f} W per-GPU limit"
+    return f"frontier row {row}{limit}"
