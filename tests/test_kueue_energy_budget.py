@@ -54,15 +54,15 @@ def state(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def api(dev_cluster, kueue, state):
-    dev_cluster.kubectl("apply", "--server-side", "--field-manager=test", "-f", "-",
-                        input=yaml.safe_dump_all(quota_objects(QUEUE, 2 * GPUS_PER_JOB, [NAMESPACE])))
     values = dev_cluster.values(operator=True, node_agent=False, worker_namespaces=[NAMESPACE],
                                 watch_namespaces=[NAMESPACE], crds=False,
                                 settings=settings_env(state, step_s=1.0, steps=400))
     values["policy"] = {**values["policy"],
                         "namespaceEnergyBudgets": {NAMESPACE: {"kwh": BUDGET_KWH, "period": "month"}}}
     values["kueue"] = {"energyBudgetCheck": {"enabled": True, "name": CHECK, "clusterQueues": [QUEUE]}}
-    objects = dev_cluster.install(RELEASE, RELEASE_NS, values)
+    objects = dev_cluster.install(RELEASE, RELEASE_NS, values)  # creates the namespace too
+    dev_cluster.kubectl("apply", "--server-side", "--field-manager=test", "-f", "-",
+                        input=yaml.safe_dump_all(quota_objects(QUEUE, 2 * GPUS_PER_JOB, [NAMESPACE])))
     api_client = config.new_client_from_config(config_file=str(dev_cluster.kubeconfig))
     yield client.CoreV1Api(api_client), client.CustomObjectsApi(api_client)
     dev_cluster.uninstall(objects)
@@ -121,7 +121,10 @@ def test_jobs_wait_in_the_queue_for_their_namespaces_energy_budget(dev_cluster, 
                                            for x in (c.get("status") or {}).get("conditions") or []),
                        timeout_s=120, what="the AdmissionCheck Active")
     assert check["spec"]["controllerName"] == "kareus.dev/energy-budget"
-    queue = jobs.get_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", QUEUE)
+    # The queue was created after the operator started: attached at the operator's next try (each minute).
+    queue = wait_until(lambda: jobs.get_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", QUEUE),
+                       lambda q: (q["spec"].get("admissionChecksStrategy") or {}).get("admissionChecks"),
+                       timeout_s=150, what="the check attached to the ClusterQueue")
     assert [c["name"] for c in queue["spec"]["admissionChecksStrategy"]["admissionChecks"]] == [CHECK]
 
     # Admitted: it fits, trains a few steps and ends.
