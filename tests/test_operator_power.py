@@ -5,6 +5,7 @@ finished job's power going to the others. The allocator itself is tested in test
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 from kareus_operator import power as pw
@@ -15,6 +16,7 @@ from optimizer_fixtures import small_plan
 
 from kareus.plan import Plan
 from kareus.policy import ClusterPolicy, PowerBudget
+from kareus.power_budget import PowerJob, allocate, plan_power_limited_points
 from kareus.spec import parse_job
 
 JOBS = "/apis/kareus.dev/v1alpha1/namespaces/team/kareusjobs"
@@ -226,3 +228,98 @@ async def test_no_budget_no_power_status(plan):
     allocator._policy = no_budget
     p, held = await reconcile(kube, allocator, "a")
     assert not held and "power" not in p.status and stored_row(kube, "a") == plan.selected_row
+
+
+# ------------------------------------------------------------------ power-limited points (issue 28)
+
+
+@pytest.fixture(scope="module")
+def laddered(plan) -> Plan:
+    """The plan with the power-limited points `kareus optimize` stores (the simulated A100's
+    power controller), through JSON as the ConfigMap carries it."""
+    points = plan_power_limited_points(plan)
+    return Plan.loads(replace(plan, power_limited_points=points).to_json())
+
+
+def test_power_job_offers_the_plans_power_limited_points(plan, laddered):
+    job = manifest("a", {"timeBudget": {"maxSlowdownPercent": 3.0}})
+    spec = parse_job({k: job[k] for k in ("apiVersion", "kind", "metadata", "spec")}).spec
+    budget = PowerBudget(cluster_w=1.0)
+    bare, full = pw.power_job(job, spec, plan, budget), pw.power_job(job, spec, laddered, budget)
+    assert len(laddered.power_limited_points) > len(laddered.frontier.rows) // 2
+    assert full.points[:len(bare.points)] == bare.points and all(p.power_limit_w is None for p in bare.points)
+    limited = full.points[len(bare.points):]
+    assert [(p.row, p.power_limit_w, p.time_s, p.energy_j) for p in limited] == [
+        (p.row, p.power_limit_w, p.time_s, p.energy_j) for p in laddered.power_limited_points]
+    # The objective's bounds and the normalisation stay the frontier's: a limited point is slower than its row.
+    assert (full.max_time_s, full.fastest_time_s) == (bare.max_time_s, bare.fastest_time_s)
+
+
+async def test_below_every_frontier_the_allocation_is_feasible_only_with_power_limits(laddered):
+    low_w = min(powers(laddered))
+    budget_w = 0.9 * 3 * low_w  # three running jobs, each below its frontier's least-power point
+    _, allocator, _ = setup(laddered, budget_w, [manifest("a"), manifest("b"), manifest("c")])
+    allocation = await allocator.run_pass()
+    assert allocation.feasible and not allocation.held and allocation.total_power_w <= budget_w
+    limited = [a for a in allocation.allotments if a.power_limit_w is not None]
+    assert limited and all(a.power_w < low_w for a in limited)
+    # Frontier rows alone (what the operator offered before) cannot meet this budget.
+    rows_only = [PowerJob.from_plan(f"team/{n}", laddered) for n in "abc"]
+    assert not allocate(rows_only, PowerBudget(cluster_w=budget_w)).feasible
+
+
+async def test_a_power_limit_is_rolled_out_with_its_row_and_cleared_when_the_allotment_has_none(laddered):
+    low_w = min(powers(laddered))
+    budget = {"w": 0.9 * 3 * low_w}
+    kube, allocator, _ = setup(laddered, budget["w"], [manifest("a"), manifest("b"), manifest("c")])
+
+    async def policy():
+        return ClusterPolicy(power_budget=PowerBudget(cluster_w=budget["w"])) if budget["w"] else ClusterPolicy()
+
+    allocator._policy = policy
+    allocation = await allocator.run_pass()
+    limited = [a.name for a in allocation.allotments if a.power_limit_w is not None]
+    assert limited, "no job got a power limit"
+    name = limited[0].split("/")[1]
+    allotment = allocation.get(f"team/{name}")
+    p, held = await reconcile(kube, allocator, name)
+    cm = kube.objects[f"/api/v1/namespaces/team/configmaps/{name}-plan"]
+    rolled = Plan.loads(plan_text(cm))
+    assert not held and rolled.selected_row == allotment.row and rolled.power_limit_w == allotment.power_limit_w
+    assert cm["metadata"]["annotations"][ANNOTATION_PLAN_REVISION] == "2"
+    # The plan predicts the limited point, slower and lower-power than its row alone.
+    row = laddered.frontier.rows[allotment.row]
+    assert (rolled.predicted.iteration_time_s, rolled.predicted.iteration_energy_j) == (allotment.time_s,
+                                                                                       allotment.energy_j)
+    assert rolled.predicted.iteration_time_s > row.time_s
+    assert allotment.energy_j / allotment.time_s < row.energy_j / row.time_s
+    assert rolled.power_limited_points == laddered.power_limited_points
+    power = p.status["power"]
+    assert power["powerLimitWatts"] == pytest.approx(allotment.power_limit_w) and power["frontierRow"] == allotment.row
+    assert p.status["plan"]["predictedIterationSeconds"] == allotment.time_s
+    assert f"under a {allotment.power_limit_w:.0f} W per-GPU power limit" in pw.condition_of(power)[2]
+    reallocated = [m for _, r, m in p.events if r == "PlanReallocated"]
+    assert reallocated and f"under a {allotment.power_limit_w:.0f} W per-GPU limit" in reallocated[0]
+    assert not pw.same_allotment(power, {k: v for k, v in power.items() if k != "powerLimitWatts"})
+
+    # The budget grows past the frontiers' low ends: the job's allotment is a frontier row, the limit goes.
+    budget["w"] = 3 * max(powers(laddered))
+    p, _ = await reconcile(kube, allocator, name)
+    allotment = allocator.allocation.get(f"team/{name}")
+    assert allotment.power_limit_w is None and "powerLimitWatts" not in p.status["power"]
+    rolled = Plan.loads(plan_text(kube.objects[f"/api/v1/namespaces/team/configmaps/{name}-plan"]))
+    assert rolled.power_limit_w is None and rolled.selected_row == allotment.row == 0
+    assert rolled.predicted.iteration_time_s == laddered.frontier.rows[0].time_s
+    assert kube.objects[f"/api/v1/namespaces/team/configmaps/{name}-plan"]["metadata"]["annotations"][
+        ANNOTATION_PLAN_REVISION] == "3"
+
+    # Limited again, then the budget is removed from the policy: the limit goes with it, the row stays.
+    budget["w"] = 0.9 * 3 * low_w
+    await reconcile(kube, allocator, name)
+    limited_row = allocator.allocation.get(f"team/{name}")
+    assert limited_row.power_limit_w is not None
+    budget["w"] = 0
+    p, held = await reconcile(kube, allocator, name)
+    rolled = Plan.loads(plan_text(kube.objects[f"/api/v1/namespaces/team/configmaps/{name}-plan"]))
+    assert not held and "power" not in p.status
+    assert rolled.power_limit_w is None and rolled.selected_row == limited_row.row

@@ -16,8 +16,10 @@ from optimizer_fixtures import small_plan
 
 from kareus.errors import KareusError
 from kareus.plan import (
+    MAX_POWER_LIMITED_POINTS,
     Plan,
     PlanError,
+    PowerLimitedPoint,
     one_f_one_b,
     plan_at_row,
     plan_schema,
@@ -204,3 +206,26 @@ def test_a_plan_may_carry_a_power_limit_and_plans_without_one_load_unchanged(tmp
     assert Plan.from_dict({**old, "power_limit_w": None}).power_limit_w is None
     for bad in (0, -5, "250"):
         assert any(e.startswith("power_limit_w:") for e in validate_plan({**old, "power_limit_w": bad})), bad
+
+
+def test_power_limited_points_round_trip_survive_reselect_and_are_validated(tmp_path):
+    plan = small_plan()
+    old = plan.to_dict()
+    assert "power_limited_points" not in old and Plan.from_dict(copy.deepcopy(old)).power_limited_points == ()
+    last = len(plan.frontier.rows) - 1
+    points = (PowerLimitedPoint(0, 250.0, 2.9, 9000.0), PowerLimitedPoint(last, 150.0, 6.5, 14000.0))
+    carried = replace(plan, power_limited_points=points)
+    carried.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").power_limited_points == points
+    # The points are the frontier's: moving along it or another objective keeps them.
+    assert plan_at_row(carried, last).power_limited_points == points
+    assert reselect(carried, {"timeBudget": {"maxSlowdownPercent": 5}}).power_limited_points == points
+    data = carried.to_dict()
+    assert validate_plan(data) == []
+    assert validate_plan({**data, "power_limited_points": [{**data["power_limited_points"][0], "row": last + 1}]}) == [
+        f"power_limited_points[0].row: must index frontier.rows (0..{last})"]
+    for field, bad in (("power_limit_w", 0), ("time_s", -1.0), ("energy_j", "9")):
+        broken = {**data, "power_limited_points": [{**data["power_limited_points"][0], field: bad}]}
+        assert any(e.startswith(f"power_limited_points[0].{field}:") for e in validate_plan(broken)), field
+    too_many = {**data, "power_limited_points": data["power_limited_points"][:1] * (MAX_POWER_LIMITED_POINTS + 1)}
+    assert any(e.startswith("power_limited_points:") for e in validate_plan(too_many))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -30,7 +31,15 @@ from kareus.plan import (
     StageOptions,
 )
 from kareus.policy import PowerBudget
-from kareus.power_budget import PowerJob, PowerPoint, Twin, allocate, compare_with_uniform_limit
+from kareus.power_budget import (
+    PowerJob,
+    PowerPoint,
+    Twin,
+    allocate,
+    compare_with_uniform_limit,
+    plan_power_limited_points,
+    power_limited_points,
+)
 from kareus.power_budget.allocator import MAX_DP_WORK
 from kareus.sim import Simulator, get_gpu
 from kareus.sim.replica import instruction_cost, replica_iteration
@@ -245,10 +254,34 @@ def test_gpu_weighted_allocation_is_never_below_capping_on_that_sum(mixed_plans)
         compare_with_uniform_limit(mixed_plans, budget_w, twin=twin, weight="watts")
 
 
+def test_a_plans_stored_points_keep_its_own_row_numbers_and_take_the_limits_effect_from_the_twin(a100_plans):
+    plan = a100_plans[0][1]
+    twin = Twin([("fast", plan)])
+    points = plan_power_limited_points(plan)
+    assert points and [(p.row, p.power_limit_w) for p in points] == [
+        (p.row, p.power_limit_w) for p in power_limited_points(twin, 0)]
+    for p in points:  # the plan's rows are the twin's own numbers here: the points are its limited runs
+        run = twin.run(0, p.row, p.power_limit_w)
+        assert (p.time_s, p.energy_j) == (pytest.approx(run.time_s, rel=1e-12), pytest.approx(run.energy_j, rel=1e-12))
+    # A plan whose profile measured 10 % slower and 20 % more energy than the preset (a real board):
+    # each point is its row's own prediction times the twin's limited-to-free ratio.
+    measured = replace(plan, frontier=replace(plan.frontier, rows=tuple(
+        replace(r, time_s=1.1 * r.time_s, energy_j=1.2 * r.energy_j) for r in plan.frontier.rows)))
+    scaled = plan_power_limited_points(measured)
+    assert [(p.row, p.power_limit_w) for p in scaled] == [(p.row, p.power_limit_w) for p in points]
+    for a, b in zip(scaled, points, strict=True):
+        assert (a.time_s, a.energy_j) == (pytest.approx(1.1 * b.time_s, rel=1e-12), pytest.approx(1.2 * b.energy_j,
+                                                                                                  rel=1e-12))
+    assert plan_power_limited_points(plan, steps=0) == ()
+    unknown = replace(plan, job=replace(plan.job, gpu="MI300X"))  # no preset: no ladder, the plan stays valid
+    assert plan_power_limited_points(unknown) == ()
+    with pytest.raises(KareusError, match=r"--power-limit-steps must be 0\.\.21, got 22"):
+        plan_power_limited_points(plan, steps=22)
+
+
 def test_plan_predictions_off_the_twin_still_keep_the_twin_within_the_budget(a100_plans):
     """Frontier rows predicting 2 % less energy than the twin runs them: the comparison replaces the
     allotted points by the twin's numbers until they agree, so the twin's power stays in budget."""
-    from dataclasses import replace
 
     optimistic = []
     for name, plan in a100_plans:
