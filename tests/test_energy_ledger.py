@@ -204,4 +204,15 @@ def test_the_check_reads_kueues_objects():
     assert rejection({"status": {"admissionChecks": [{"name": "b", "state": "Rejected", "message": "too big"}]}}) == \
         "AdmissionCheck b: too big"
     assert rejection({"status": reserved}) is None
+    # Kueue deactivates a rejected Workload and resets the check to Pending: the annotation keeps why.
+    deactivated = {"metadata": {"annotations": {"kareus.dev/admission-rejection": "AdmissionCheck b: too big"}},
+                   "status": {"admissionChecks": [{"name": "b", "state": "Pending",
+                                                   "message": "Reset to Pending after eviction. Previously: Rejected"}],
+                              "conditions": [{"type": "Evicted", "status": "True", "reason": "DeactivatedDueToAdmissionCheck",
+                                              "message": "The workload is deactivated due to Admission check(s): b"}]}}
+    assert rejection(deactivated) == "AdmissionCheck b: too big"
+    del deactivated["metadata"]["annotations"]
+    assert rejection(deactivated) == "The workload is deactivated due to Admission check(s): b"
+    suspended = {"status": {"conditions": [{"type": "Evicted", "status": "True", "reason": "Deactivated"}]}}
+    assert rejection(suspended) is None  # spec.suspend deactivates it too: not a rejection
     assert clusterqueue_checks({"spec": {"admissionChecksStrategy": {"admissionChecks": [{"name": "b"}]}}}) == ["b"]

@@ -56,6 +56,10 @@ RETRY_AFTER_S = 15  # when a promise may free at any time (another job finishing
 QUEUE_CACHE_S = 10.0  # how long a LocalQueue → checks lookup is trusted
 ATTACH_EVERY_S = 60.0  # how often the check is re-applied to its ClusterQueues (a queue re-created)
 FINISHED = ("Succeeded", "Failed")
+# Kueue's Evicted reason for a Workload it deactivated because a check rejected it, and where our
+# rejection's message outlives Kueue's reset of the check to Pending.
+DEACTIVATED_BY_CHECK = "DeactivatedDueToAdmissionCheck"
+REJECTION_ANNOTATION = "kareus.dev/admission-rejection"
 
 
 @dataclass(frozen=True)
@@ -137,11 +141,18 @@ def pending_checks(workload: Mapping[str, Any], checks: Sequence[str]) -> list[s
 
 
 def rejection(workload: Mapping[str, Any]) -> str | None:
-    """The message of a Rejected admission check of the Workload, if it has one."""
-    for state in (workload.get("status") or {}).get("admissionChecks") or []:
+    """Why an admission check rejected the Workload, if one did. Kueue deactivates a rejected
+    Workload and resets the check to Pending, dropping its message; ours is kept in an annotation."""
+    status = workload.get("status") or {}
+    for state in status.get("admissionChecks") or []:
         if state.get("state") == "Rejected":
             return f"AdmissionCheck {state.get('name')}: {state.get('message') or 'rejected'}"
-    return None
+    evicted = next((c for c in status.get("conditions") or [] if c.get("type") == "Evicted"
+                    and c.get("status") == "True" and c.get("reason") == DEACTIVATED_BY_CHECK), None)
+    if evicted is None:
+        return None
+    kept = ((workload.get("metadata") or {}).get("annotations") or {}).get(REJECTION_ANNOTATION)
+    return kept or str(evicted.get("message") or "rejected by an admission check")
 
 
 def clusterqueue_checks(clusterqueue: Mapping[str, Any]) -> list[str]:
@@ -269,6 +280,9 @@ class EnergyAdmissionCheck:
         body = {"apiVersion": KUEUE_API, "kind": "Workload", "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
                 "status": {"admissionChecks": [state]}}
         try:
+            if verdict.state == "Rejected":  # first: Kueue deactivates the Workload as soon as it sees the state
+                await self.kube.merge_patch(path(KUEUE_API, "workloads", meta["namespace"], meta["name"]), {
+                    "metadata": {"annotations": {REJECTION_ANNOTATION: f"AdmissionCheck {check}: {verdict.message}"[:4096]}}})
             await self.kube.request("PATCH", path(KUEUE_API, "workloads", meta["namespace"], meta["name"], "status"), body,
                                     params={"fieldManager": FIELD_MANAGER, "force": "true"},
                                     content_type="application/apply-patch+yaml")
