@@ -9,7 +9,10 @@ profiling and optimizing take. `FAKE_PLAN_FILE` (optional): a real plan document
 the fake optimize writes instead of its stand-in. A training run stops early when the file
 `FAKE_STATE_DIR/<job>.finish` exists, and records the plan's `selected_row` it read last (the plan
 file is re-read every step, as a runtime watching it would) in `FAKE_STATE_DIR/<job>.row`, and every
-step it ran in `FAKE_STATE_DIR/<job>.executed` (and the step each run started at in `<job>.runs`). With `--checkpoint-dir` it keeps checkpoints as the
+step it ran in `FAKE_STATE_DIR/<job>.executed` (and the step each run started at in `<job>.runs`).
+When `FAKE_STATE_DIR/<job>.lock-request` holds a clock in MHz, the next step asks the node daemon
+(as the runtime would: the pod's address and token) to lock every GPU it may control at that clock
+and writes the answer to `<job>.lock-result` (`{"ok": …, "code": …, "message": …}`). With `--checkpoint-dir` it keeps checkpoints as the
 runtime lays them out (`step-N/kareus-checkpoint.json`, every `--checkpoint-every` steps and on
 SIGTERM, which ends the run after its current step with exit 143) and resumes from the newest.
 
@@ -153,6 +156,27 @@ def _save_checkpoint(directory: Path, step: int, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _lock_if_asked(state: Path, job: str) -> None:
+    """A lock at the clock `<job>.lock-request` names, through the node daemon; its answer in `<job>.lock-result`."""
+    request = state / f"{job}.lock-request"
+    if not request.exists():
+        return
+    from kareus.daemon_client import DaemonConnection, DaemonError, endpoint_from_env
+
+    clock_mhz = int(request.read_text())
+    try:
+        with DaemonConnection(endpoint_from_env() or "", job=job) as daemon:
+            gpus = [gpu.uuid for gpu in daemon.discover() if gpu.controllable]
+            daemon.lock(gpus, clock_mhz)
+            result = {"ok": True, "clock_mhz": clock_mhz, "gpus": gpus}
+    except DaemonError as error:
+        result = {"ok": False, "clock_mhz": clock_mhz, "code": error.code, "message": str(error)}
+    partial = state / f"{job}.lock-result.partial"
+    partial.write_text(json.dumps(result))
+    request.unlink()
+    os.replace(partial, state / f"{job}.lock-result")
+
+
 def main() -> int:
     phase = sys.argv[1]
     _maybe_fail(phase)
@@ -190,6 +214,7 @@ def main() -> int:
                 row = _read_plan(plan_path).get("selected_row")
                 if row is not None:
                     (state / f"{job}.row").write_text(str(row))
+                _lock_if_asked(state, job)
                 time.sleep(float(os.environ.get("FAKE_STEP_S", "0.05")))
                 record = {"step": step, "loss": 1.0 / (step + 1), "iteration_time_s": STEP_TIME_S,
                           "energy_j": STEP_ENERGY_J}

@@ -5,14 +5,21 @@ The allotments sum within the budget and are what `kareus.power_budget.allocate`
 jobs; each job's plan ConfigMap holds its allotted row and its training pod reads that row; the
 job with a time budget keeps a point meeting it; a fourth job the budget cannot fit is held (no
 training Job); finishing one job gives its power to the other two.
+
+The budget holds at the node (`test_a_tight_budget_is_enforced_at_the_node`): a job under a budget
+that fits only its slowest row gets, in the node agents' ConfigMap `kareus-node/kareus-clock-ceilings`,
+that row's highest clock (1050 MHz) for its training pod, and the node agent refuses the pod a lock
+at 1410 MHz while granting one at the ceiling.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
+from kareus_operator import clock_ceilings as cc
 from kareus_operator import manifests as mf
 from kareus_operator.kube import Kube, load_kubeconfig, path
 from kareus_operator.reconcile import plan_text
@@ -121,4 +128,79 @@ async def test_power_budget_allots_holds_and_reallocates(dev_cluster, tmp_path):
     finally:
         for name in (*OBJECTIVES, "extra"):
             (tmp_path / f"{name}.finish").write_text("")
+        dev_cluster.uninstall(objects)
+
+
+CAP_NS = "power-cap"
+CEILINGS = path("v1", "configmaps", "kareus-node", "kareus-clock-ceilings")
+
+
+async def training_pod_uid(kube: Kube, namespace: str, name: str) -> str | None:
+    """The UID of job `name`'s one running training pod."""
+    pods = await kube.list(path("v1", "pods", namespace), label_selector=f"kareus.dev/job-name={name},kareus.dev/role=train")
+    running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+    return running[0]["metadata"]["uid"] if len(running) == 1 else None
+
+
+async def ceilings(kube: Kube) -> dict[str, str]:
+    return dict(((await kube.get(CEILINGS)) or {}).get("data") or {})
+
+
+async def test_a_tight_budget_is_enforced_at_the_node(dev_cluster, tmp_path):
+    plan = small_plan()
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json())
+    slowest = len(plan.frontier.rows) - 1
+    power_w = [r.energy_j / r.time_s for r in plan.frontier.rows]
+    tight_w = round(power_w[slowest]) + 1  # one job at its slowest row, nothing faster
+    assert power_w[slowest - 1] > tight_w
+    low_mhz = max(cc.row_stage_clocks_mhz(plan, slowest))
+    assert low_mhz == 1050 and max(cc.row_stage_clocks_mhz(plan, 0)) == 1410
+    objects = dev_cluster.install_operator(
+        "power-cap", "power-cap-system", watch_namespaces=[CAP_NS],
+        settings=settings_env(tmp_path, step_s=0.2, steps=100_000, plan_file=plan_file),
+        policy={"powerBudget": {"watts": tight_w}})
+    try:
+        async with Kube(load_kubeconfig(dev_cluster.kubeconfig)) as kube:
+            await kube.request("POST", path(JOBS_API, "kareusjobs", CAP_NS), fake_job("capped", namespace=CAP_NS))
+
+            async def at_row(row: int) -> bool:
+                job = await kube.get(path(JOBS_API, "kareusjobs", CAP_NS, "capped"))
+                power = ((job or {}).get("status") or {}).get("power") or {}
+                ran = tmp_path / "capped.row"
+                return power.get("frontierRow") == row and ran.exists() and ran.read_text() == str(row)
+
+            await until(lambda: at_row(slowest), what=f"the job running its slowest row {slowest}")
+            uid = await training_pod_uid(kube, CAP_NS, "capped")
+            assert uid is not None
+
+            async def ceiling_is(mhz: int) -> bool:
+                return (await ceilings(kube)).get(uid) == str(mhz)
+
+            await until(lambda: ceiling_is(low_mhz), what=f"pod {uid}'s clock ceiling {low_mhz} MHz")
+
+            async def lock(clock_mhz: int) -> dict:
+                """The training pod's own lock request through the node agent (operator_fakes)."""
+                result = tmp_path / "capped.lock-result"
+                result.unlink(missing_ok=True)
+                (tmp_path / "capped.lock-request").write_text(str(clock_mhz))
+                await until(lambda: asyncio.sleep(0, result.exists()), timeout_s=60,
+                            what=f"the pod's lock at {clock_mhz} MHz")
+                return json.loads(result.read_text())
+
+            async def lock_eventually(clock_mhz: int, ok: bool) -> dict:
+                """The agent reads the ceilings at most once per re-check: ask until its answer is `ok`."""
+                deadline = time.monotonic() + 60
+                while (answer := await lock(clock_mhz))["ok"] is not ok and time.monotonic() < deadline:
+                    await asyncio.sleep(1.0)
+                return answer
+
+            refused = await lock_eventually(1410, ok=False)
+            assert refused["ok"] is False and refused["code"] == "refused", refused
+            assert f"above the clock ceiling {low_mhz} MHz" in refused["message"], refused
+            granted = await lock(low_mhz)
+            assert granted["ok"] is True and granted["gpus"], granted
+            print(f"budget {tight_w} W: row {slowest}, ceiling {low_mhz} MHz; a lock at 1410 MHz: {refused['message']}")
+    finally:
+        (tmp_path / "capped.finish").write_text("")
         dev_cluster.uninstall(objects)
