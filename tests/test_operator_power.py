@@ -241,6 +241,19 @@ def laddered(plan) -> Plan:
     return Plan.loads(replace(plan, power_limited_points=points).to_json())
 
 
+def json_merge_patch(target: dict, patch: dict) -> dict:
+    """RFC 7386, as the API server applies the controller's status patch: null deletes a key."""
+    out = copy.deepcopy(target)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = json_merge_patch(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 def test_power_job_offers_the_plans_power_limited_points(plan, laddered):
     job = manifest("a", {"timeBudget": {"maxSlowdownPercent": 3.0}})
     spec = parse_job({k: job[k] for k in ("apiVersion", "kind", "metadata", "spec")}).spec
@@ -304,9 +317,13 @@ async def test_a_power_limit_is_rolled_out_with_its_row_and_cleared_when_the_all
 
     # The budget grows past the frontiers' low ends: the job's allotment is a frontier row, the limit goes.
     budget["w"] = 3 * max(powers(laddered))
+    before = copy.deepcopy(kube.objects[f"{JOBS}/{name}"]["status"])
     p, _ = await reconcile(kube, allocator, name)
     allotment = allocator.allocation.get(f"team/{name}")
-    assert allotment.power_limit_w is None and "powerLimitWatts" not in p.status["power"]
+    # The controller merge-patches the status (handlers.py): the limit must leave status.power there too.
+    written = json_merge_patch(before, {k: p.status.get(k) for k in set(before) | set(p.status)})
+    assert allotment.power_limit_w is None and "powerLimitWatts" not in written["power"]
+    assert written["power"]["frontierRow"] == allotment.row
     rolled = Plan.loads(plan_text(kube.objects[f"/api/v1/namespaces/team/configmaps/{name}-plan"]))
     assert rolled.power_limit_w is None and rolled.selected_row == allotment.row == 0
     assert rolled.predicted.iteration_time_s == laddered.frontier.rows[0].time_s

@@ -397,7 +397,9 @@ class PowerAllocator:
                 pending[1]["trainingStartTime"] = "starting"  # later passes count it as running
             await self._roll_out(p, spec, allotment.row, allotment.power_limit_w,
                                  Prediction(allotment.time_s, allotment.energy_j))
-        p.status["power"] = power
+        # The status is merge-patched: a key the old allotment had and this one lacks (a power limit
+        # gone, a held job's row) must be written as null or the server keeps it.
+        p.status["power"] = {**{k: None for k in old or {} if k not in power}, **power}
         status, reason, message = condition_of(power)
         p.want(CONDITION, status, reason, message)
         if allotment.held:
