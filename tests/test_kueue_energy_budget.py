@@ -195,7 +195,7 @@ def test_jobs_wait_in_the_queue_for_their_namespaces_energy_budget(dev_cluster, 
                          what="the ledger without meters (every job deleted, the new operator's resync)")
     assert emptied["usedJoules"] == expected_j and emptied["lifetimeJoules"] == expected_j
     table = dev_cluster.kubectl("get", "kareusenergyledgers", NAMESPACE)
-    header, row = table.strip().splitlines()
+    header, row = table.stdout.strip().splitlines()
     assert header.split()[:5] == ["NAME", "PERIOD", "USED", "KWH", "BUDGET"]
     name, period, used_kwh, budget_kwh, left_kwh, end = row.split()[:6]
     assert (name, period, end) == (NAMESPACE, "month", status["periodEnd"])
