@@ -207,6 +207,7 @@ clockBounds:
 - --metrics-port={{ $agent.metricsPort }}
 - --metrics-address=$(POD_IP)
 - --metrics-auth={{ $agent.metricsAuth }}
+- --clock-ceilings={{ include "kareus.nodeAgent.namespace" . }}/{{ include "kareus.clockCeilings.configMapName" . }}
 - --health-port={{ $agent.healthPort }}
 - --log-format={{ $agent.logFormat }}
 - --log-level={{ $agent.logLevel | upper }}
@@ -215,7 +216,6 @@ clockBounds:
 {{- end }}
 {{- end -}}
 
-- --clock-ceilings={{ include "kareus.nodeAgent.namespace" . }}/{{ include "kareus.clockCeilings.configMapName" . }}
 {{/* The agent's PriorityClass: the chart's own when nodeAgent.priorityClass.create, else nodeAgent.priorityClassName (may be empty). */}}
 {{- define "kareus.nodeAgent.priorityClassName" -}}
 {{- if .Values.nodeAgent.priorityClass.create -}}
@@ -288,6 +288,10 @@ kareus.dev/job-name
   value: {{ include "kareus.policy.configMapName" . | quote }}
 - name: KAREUS_OPERATOR_POLICY_NAMESPACE
   value: {{ .Release.Namespace | quote }}
+- name: KAREUS_OPERATOR_CLOCK_CEILINGS_NAMESPACE
+  value: {{ ternary (include "kareus.nodeAgent.namespace" .) "" .Values.operator.publishClockCeilings | quote }}
+- name: KAREUS_OPERATOR_CLOCK_CEILINGS_CONFIGMAP
+  value: {{ include "kareus.clockCeilings.configMapName" . | quote }}
 - name: KAREUS_OPERATOR_NODE_DAEMON_PORT
   value: {{ .Values.nodeAgent.port | quote }}
 - name: KAREUS_OPERATOR_SERVICE_ACCOUNT
@@ -296,10 +300,6 @@ kareus.dev/job-name
   value: {{ join "," .Values.operator.args.watchNamespaces | quote }}
 - name: KAREUS_OPERATOR_LEADER_ELECTION_LEASE
   value: {{ include "kareus.operator.fullname" . | quote }}
-- name: KAREUS_OPERATOR_CLOCK_CEILINGS_NAMESPACE
-  value: {{ ternary (include "kareus.nodeAgent.namespace" .) "" .Values.operator.publishClockCeilings | quote }}
-- name: KAREUS_OPERATOR_CLOCK_CEILINGS_CONFIGMAP
-  value: {{ include "kareus.clockCeilings.configMapName" . | quote }}
 {{- if .Values.kueue.energyBudgetCheck.enabled }}
 - name: KAREUS_OPERATOR_ENERGY_ADMISSION_CHECK
   value: {{ .Values.kueue.energyBudgetCheck.name | quote }}
