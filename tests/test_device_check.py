@@ -68,9 +68,10 @@ def test_reads_nvml_cannot_answer_are_recorded_not_fatal():
     fake_pynvml.reset(count=1)
     fake_pynvml.nvmlInit()
     fake_pynvml.fail("nvmlDeviceGetPowerUsage", fake_pynvml.NVML_ERROR_NOT_SUPPORTED)
+    fake_pynvml.fail("nvmlDeviceGetPowerManagementLimit", fake_pynvml.NVML_ERROR_NO_PERMISSION)
     gpu = module.inventory(module.ReadOnlyNVML(fake_pynvml))["gpus"][0]
     assert gpu["power_w"] == {"error": "NVMLError_NotSupported: Not Supported"}
-    assert "error" in gpu["power_limit_w"]  # the fake has no power-limit reads at all
+    assert gpu["power_limit_w"] == {"error": "NVMLError_NoPermission: Insufficient Permissions"}
 
 
 def test_the_emulated_collective_moves_its_payload_not_twice_it():
