@@ -122,11 +122,11 @@ class NamespaceLedger:
             "lifetimeJoules": round(self.lifetime_energy_j, 3),
             "jobs": [{"uid": uid, "name": self.job_names.get(uid, ""), "joules": round(j, 3)}
                      for uid, j in sorted(self.meters_j.items())],
-            "history": [{"start": _iso(c.start), "end": _iso(c.end), "joules": round(c.energy_j, 3)}
+            "history": [{"start": rfc3339(c.start), "end": rfc3339(c.end), "joules": round(c.energy_j, 3)}
                         for c in self.history],
         }
         if self.period_start is not None and self.period_end is not None:
-            out |= {"periodStart": _iso(self.period_start), "periodEnd": _iso(self.period_end)}
+            out |= {"periodStart": rfc3339(self.period_start), "periodEnd": rfc3339(self.period_end)}
         return out
 
     @classmethod
@@ -197,7 +197,7 @@ class BudgetStanding:
         """`namespace 'a' has used 1.2 of its 5 kWh monthly budget (…); the period ends …`."""
         label = {"lifetime": "lifetime", "month": "monthly", "week": "weekly", "day": "daily"}[self.period]
         reserved = f", {self.reserved_kwh:.4g} kWh promised to admitted jobs" if self.reserved_kwh > 0 else ""
-        end = "" if self.period_end is None else f"; the period ends {_iso(self.period_end)}"
+        end = "" if self.period_end is None else f"; the period ends {rfc3339(self.period_end)}"
         return (f"namespace {self.namespace!r} has used {self.used_kwh:.4g} kWh of its {self.budget_kwh:.4g} kWh "
                 f"{label} energy budget{reserved}{end}")
 
@@ -210,7 +210,8 @@ def standing(ledger: NamespaceLedger, budget_kwh: float, period: str, now: datet
                           current.period_end)
 
 
-def _iso(at: datetime) -> str:
+def rfc3339(at: datetime) -> str:
+    """`2027-01-01T00:00:00Z`: the UTC second, as Kubernetes writes times."""
     return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from kareus.energy_ledger import JOULES_PER_KWH, BudgetStanding
+from kareus.energy_ledger import JOULES_PER_KWH, BudgetStanding, rfc3339
 from kareus.spec import SpecError, parse_job
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.settings import LABEL_JOB, LABEL_QUEUE, LABEL_ROLE
@@ -189,29 +189,35 @@ class EnergyAdmissionCheck:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
 
-    async def checks(self) -> list[str]:
-        """Our AdmissionChecks' names; none without Kueue (or without the right to read them)."""
+    async def _listed_checks(self) -> list[dict[str, Any]]:
+        """Every AdmissionCheck; none without Kueue (or without the right to read them)."""
         try:
-            return our_checks(await self.kube.list(path(KUEUE_API, "admissionchecks")))
+            return await self.kube.list(path(KUEUE_API, "admissionchecks"))
         except ApiError as error:
             if error.code in (403, 404):
                 return []
             raise
 
+    async def checks(self) -> list[str]:
+        """Our AdmissionChecks' names."""
+        return our_checks(await self._listed_checks())
+
     async def run_pass(self) -> int:
         """One pass; returns the number of verdicts written."""
-        checks = await self.checks()
+        listed = await self._listed_checks()
+        checks = our_checks(listed)
         if not checks:
             return 0
-        await self._mark_active(checks)
+        await self._mark_active([c for c in listed if c["metadata"]["name"] in checks])
         if self.check_name in checks and time.monotonic() - self._attached_at >= ATTACH_EVERY_S:
             await self.attach()
         written = 0
         for namespace in self.namespaces or (None,):
+            jobs: dict[str, list[dict[str, Any]]] = {}  # each namespace's KareusJobs, listed once a pass
             for workload in await self.kube.list(path(KUEUE_API, "workloads", namespace)):
                 waiting = pending_checks(workload, checks)
                 if waiting:
-                    verdict = await self.verdict(workload)
+                    verdict = await self.verdict(workload, jobs)
                     for name in waiting:
                         await self._write(workload, name, verdict)
                         written += 1
@@ -233,19 +239,20 @@ class EnergyAdmissionCheck:
                 log.warning("ClusterQueue %s does not exist: the energy-budget check is not attached to it", name)
         self._attached_at = time.monotonic()
 
-    async def _mark_active(self, checks: Sequence[str]) -> None:
-        for name in checks:
-            check = await self.kube.get(path(KUEUE_API, "admissionchecks", None, name))
-            conditions = (check or {}).get("status", {}).get("conditions") or []
+    async def _mark_active(self, checks: Sequence[Mapping[str, Any]]) -> None:
+        for check in checks:
+            conditions = (check.get("status") or {}).get("conditions") or []
             if any(c.get("type") == "Active" and c.get("status") == "True" for c in conditions):
                 continue
-            now = _now_iso()
-            await self.kube.merge_patch(path(KUEUE_API, "admissionchecks", None, name, "status"), {"status": {
-                "conditions": [{"type": "Active", "status": "True", "reason": "Active", "lastTransitionTime": now,
-                                "message": "the Kareus operator judges namespace energy and cluster power budgets",
-                                "observedGeneration": check["metadata"].get("generation", 1) if check else 1}]}})
+            await self.kube.merge_patch(path(KUEUE_API, "admissionchecks", None, check["metadata"]["name"], "status"), {
+                "status": {"conditions": [{
+                    "type": "Active", "status": "True", "reason": "Active", "lastTransitionTime": rfc3339(datetime.now(UTC)),
+                    "message": "the Kareus operator judges namespace energy and cluster power budgets",
+                    "observedGeneration": check["metadata"].get("generation", 1)}]}})
 
-    async def verdict(self, workload: Mapping[str, Any]) -> Verdict:
+    async def verdict(self, workload: Mapping[str, Any],
+                      jobs: dict[str, list[dict[str, Any]]] | None = None) -> Verdict:
+        """The verdict on one Workload; `jobs` caches each namespace's KareusJobs for a pass."""
         namespace = workload["metadata"]["namespace"]
         owner = next((o for o in workload["metadata"].get("ownerReferences") or []
                       if o.get("kind") == "Job" and str(o.get("apiVersion", "")).startswith("batch/")), None)
@@ -255,8 +262,10 @@ class EnergyAdmissionCheck:
         job = None if not job_name else await self.kube.get(path(KAREUS_API, "kareusjobs", namespace, job_name))
         if job is None or not any(o.get("uid") == job["metadata"]["uid"] for o in child["metadata"].get("ownerReferences") or []):
             return Verdict("Ready", "not a KareusJob's Workload: no Kareus budget applies")
-        jobs = await self.kube.list(path(KAREUS_API, "kareusjobs", namespace))
-        budget = await self.ledgers.standing(namespace, reserved_kwh(jobs, job["metadata"]["uid"]))
+        jobs = {} if jobs is None else jobs
+        if namespace not in jobs:
+            jobs[namespace] = await self.kube.list(path(KAREUS_API, "kareusjobs", namespace))
+        budget = await self.ledgers.standing(namespace, reserved_kwh(jobs[namespace], job["metadata"]["uid"]))
         return judge(budget, remaining_kwh(job), await self._power_held(job, labels.get(LABEL_ROLE)), self.ledgers.clock())
 
     async def _power_held(self, job: Mapping[str, Any], role: str | None) -> str | None:
@@ -274,7 +283,7 @@ class EnergyAdmissionCheck:
     async def _write(self, workload: Mapping[str, Any], check: str, verdict: Verdict) -> None:
         meta = workload["metadata"]
         state: dict[str, Any] = {"name": check, "state": verdict.state, "message": verdict.message[:32768],
-                                 "lastTransitionTime": _now_iso()}
+                                 "lastTransitionTime": rfc3339(datetime.now(UTC))}
         if verdict.requeue_after_s is not None and verdict.state == "Retry":
             state["requeueAfterSeconds"] = verdict.requeue_after_s
         body = {"apiVersion": KUEUE_API, "kind": "Workload", "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
@@ -314,6 +323,3 @@ class EnergyAdmissionCheck:
         self._queues[key] = (time.monotonic(), checked)
         return checked
 
-
-def _now_iso() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -27,7 +27,14 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from kareus.energy_ledger import JOULES_PER_KWH, BudgetStanding, LedgerError, NamespaceLedger, standing
+from kareus.energy_ledger import (
+    JOULES_PER_KWH,
+    BudgetStanding,
+    LedgerError,
+    NamespaceLedger,
+    rfc3339,
+    standing,
+)
 from kareus.policy import ClusterPolicy
 from kareus_operator.kube import ApiError, Kube, path
 
@@ -77,15 +84,13 @@ class EnergyLedgers:
 
     async def record(self, job: Mapping[str, Any], *, gone: bool = False) -> None:
         """Charge what the job spent since its last record; `gone`: it was deleted (drop its meter)."""
-        meta = job["metadata"]
-        uid, name, counter_j = meta["uid"], meta["name"], job_energy_j(job)
+        uid = job["metadata"]["uid"]
 
         def change(ledger: NamespaceLedger) -> NamespaceLedger:
-            if counter_j > 0 or uid in ledger.meters_j:
-                ledger = ledger.record(uid, name, counter_j, self.clock())
+            ledger = self._charge(ledger, job)
             return ledger.forget(set(ledger.meters_j) - {uid}) if gone else ledger
 
-        await self._update(meta["namespace"], change)
+        await self._update(job["metadata"]["namespace"], change)
 
     async def sync(self, namespace: str, jobs: Iterable[Mapping[str, Any]] | None = None) -> None:
         """Roll the period, write the budget, charge every listed job and drop the meters of jobs
@@ -97,12 +102,17 @@ class EnergyLedgers:
 
             def change(ledger: NamespaceLedger) -> NamespaceLedger:
                 for job in listed:
-                    meta = job["metadata"]
-                    if job_energy_j(job) > 0 or meta["uid"] in ledger.meters_j:
-                        ledger = ledger.record(meta["uid"], meta["name"], job_energy_j(job), self.clock())
+                    ledger = self._charge(ledger, job)
                 return ledger.forget(job["metadata"]["uid"] for job in listed)
 
             await self._update(namespace, change, locked=True)
+
+    def _charge(self, ledger: NamespaceLedger, job: Mapping[str, Any]) -> NamespaceLedger:
+        """The job's counter charged (a job that has spent nothing and has no meter gets none)."""
+        meta, counter_j = job["metadata"], job_energy_j(job)
+        if counter_j > 0 or meta["uid"] in ledger.meters_j:
+            ledger = ledger.record(meta["uid"], meta["name"], counter_j, self.clock())
+        return ledger
 
     async def namespaces(self) -> list[str]:
         """The namespaces that have a ledger."""
@@ -163,7 +173,7 @@ def ledger_status(ledger: NamespaceLedger, budget_kwh: float | None, now: dateti
                               "budgetKilowattHours": budget_kwh, "remainingKilowattHours": None}
     if budget_kwh is not None:
         status["remainingKilowattHours"] = round(max(0.0, budget_kwh - ledger.period_energy_j / JOULES_PER_KWH), 6)
-    status["updateTime"] = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    status["updateTime"] = rfc3339(now)
     return status
 
 
