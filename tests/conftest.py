@@ -84,3 +84,13 @@ def dev_cluster(control_plane, tmp_path_factory):
     with DevCluster(tmp_path_factory.mktemp("devcluster"), control_plane=control_plane, operator=False,
                     worker_namespaces=()) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def kueue(dev_cluster, tmp_path_factory):
+    """The real Kueue controller beside the session's cluster, for one test module (its webhooks are
+    removed when the module ends, so the other modules' Jobs are not Kueue's)."""
+    from kareus_devcluster.kueue import DevKueue
+
+    with DevKueue(tmp_path_factory.mktemp("kueue"), dev_cluster.control_plane) as running:
+        yield running

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from kareus_devcluster.kueue import API, DevKueue, quota_objects
+from kareus_devcluster.kueue import API, quota_objects
 from kube_helpers import PodRecorder, read_or_none, wait_until
 from kubernetes import client, config
 from operator_fakes import STEP_ENERGY_J, conditions, fake_manifest, settings_env
@@ -32,12 +32,6 @@ STEP_S = 0.4
 GPUS_PER_JOB = 2  # tests/data/tiny-tp2.yaml: one pod of 2 GPUs
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def kueue(dev_cluster, tmp_path_factory):
-    with DevKueue(tmp_path_factory.mktemp("kueue"), dev_cluster.control_plane) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

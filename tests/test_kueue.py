@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from kareus_devcluster.kueue import API, DevKueue, quota_objects
+from kareus_devcluster.kueue import API, quota_objects
 from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
 from operator_fakes import conditions, fake_manifest, settings_env
@@ -22,12 +22,6 @@ QUEUE = "gpus"
 GPUS_PER_JOB = 2  # the tests' small job (tests/data/tiny-tp2.yaml): one pod of 2 GPUs
 
 pytestmark = pytest.mark.timeout(420)
-
-
-@pytest.fixture(scope="module")
-def kueue(dev_cluster, tmp_path_factory):
-    with DevKueue(tmp_path_factory.mktemp("kueue"), dev_cluster.control_plane) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kareus_devcluster.kueue import DevKueue, quota_objects
+from kareus_devcluster.kueue import quota_objects
 from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
 from operator_fakes import STEP_ENERGY_J, fake_manifest, settings_env
@@ -39,12 +39,6 @@ CHECK = "kareus-energy-budget"
 GPUS_PER_JOB = 2
 
 pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture(scope="module")
-def kueue(dev_cluster, tmp_path_factory):
-    with DevKueue(tmp_path_factory.mktemp("kueue"), dev_cluster.control_plane) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
