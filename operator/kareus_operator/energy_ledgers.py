@@ -148,11 +148,12 @@ class EnergyLedgers:
                 self.on_write(new, policy.energy_budget_kwh(namespace))
                 return
             if obj is None:
-                obj, _ = await self.kube.create(path(API_VERSION, PLURAL), {
+                # Created (by us or a writer racing us, who may have written its status already): recompute
+                # from what is stored, never patch with what was computed from no ledger.
+                await self.kube.create(path(API_VERSION, PLURAL), {
                     "apiVersion": API_VERSION, "kind": KIND,
                     "metadata": {"name": namespace, "labels": {"app.kubernetes.io/part-of": "kareus"}}})
-                if obj is None:
-                    continue
+                continue
             try:
                 await self.kube.merge_patch(path(API_VERSION, PLURAL, None, namespace, "status"), {
                     "metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "status": status})
