@@ -149,7 +149,7 @@ class FakeAPIServer:
         return {"metadata": {"uid": pod.uid, "namespace": pod.namespace, "name": pod.name,
                              "labels": {JOB_LABEL: pod.job} if pod.job else {}},
                 "spec": {"nodeName": NODE, "hostNetwork": pod.host_network},
-                "status": {"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]}}
+                "status": {"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]} if pod.ip else {}}  # before the kubelet reports it
 
     def _review(self, token: str, audiences: list[str]) -> dict[str, Any]:
         try:

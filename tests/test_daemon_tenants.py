@@ -26,7 +26,7 @@ from kareus_node.metrics_auth import MetricsAuthorizer
 from kareus_node.pods import PodDirectory
 from test_daemon_support import wait_for
 
-from kareus.daemon_client import DaemonConnection, DaemonError
+from kareus.daemon_client import DaemonConnection, DaemonError, open_connection
 
 _SPEC = importlib.util.spec_from_file_location("daemon_abuse", Path(__file__).resolve().parent.parent / "bench" / "daemon_abuse.py")
 abuse = importlib.util.module_from_spec(_SPEC)
@@ -247,6 +247,34 @@ def test_a_token_replayed_from_another_address_is_refused(node):
     node.train.ip, node.train.host_network = "10.0.0.5", True  # a hostNetwork pod has the node's addresses
     token = node.api.token(node.train)
     wait_for(lambda: node.hello(node.train, token=token, source_ip="127.0.0.1")["ok"])  # once the pod list shows it
+
+
+def test_a_hello_before_the_pods_address_is_reported_waits_for_it(node):
+    """A pod's containers start, and call, before the kubelet reports its IP to the API server (a
+    CI run's profiling pod was refused "(none yet)"): the hello waits for the address."""
+    pod = node.api.add_pod(FakePod("team-a", "llama-1", abuse.pod_uid(4), "", [node.gpus[3]]))
+    threading.Timer(1.0, lambda: setattr(pod, "ip", "127.0.0.12")).start()
+    reply = node.hello(pod, source_ip="127.0.0.12")
+    assert reply is not None and reply["ok"], reply
+    assert node.hello(pod, source_ip="127.0.0.13")["error"]["code"] == "refused"  # and then it is checked
+
+
+def test_a_pod_whose_address_never_comes_is_answered_unavailable_and_the_client_asks_again(node, tmp_path):
+    pod = node.api.add_pod(FakePod("team-a", "llama-1", abuse.pod_uid(4), "", [node.gpus[3]]))
+    reply = node.hello(pod, source_ip="127.0.0.1")
+    assert reply["error"]["code"] == "unavailable", reply
+    assert "pod team-a/llama-1 has no address in the API server yet" in reply["error"]["message"]
+    token_file = tmp_path / "token"
+    token_file.write_text(node.api.token(pod))
+    endpoint = node.daemon.tcp
+    with pytest.raises(DaemonError, match="no address in the API server yet") as refused:
+        DaemonConnection(endpoint, token_file=str(token_file))
+    assert refused.value.code == "unavailable" and refused.value.answered
+    threading.Timer(4.0, lambda: setattr(pod, "ip", "127.0.0.1")).start()  # after a first wait ran out
+    with open_connection(endpoint, token_file=str(token_file)) as connection:
+        assert [gpu.uuid for gpu in connection.discover() if gpu.controllable] == [node.gpus[3]]
+    with pytest.raises(DaemonError, match="cannot connect"):  # no daemon there: answered at once, no waiting
+        open_connection(str(tmp_path / "none.sock"))
 
 
 @pytest.mark.parametrize("node", [{"defaultFloorFraction": 0.5}], indirect=True)

@@ -31,6 +31,7 @@ from kareus.daemon_client.connection import (
     GPUReading,
     daemon_endpoint,
     endpoint_from_env,
+    open_connection,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "connect",
     "daemon_endpoint",
     "endpoint_from_env",
+    "open_connection",
 ]
 
 log = logging.getLogger("kareus.daemon_client")
@@ -70,7 +72,7 @@ def connect(
     if not socket_path:
         return NullClockClient()
     try:
-        connection = DaemonConnection(socket_path, timeout_s=timeout_s, job=job, token_file=token_file)
+        connection = open_connection(socket_path, timeout_s=timeout_s, job=job, token_file=token_file)
     except DaemonError as error:
         return _degraded(str(error), required, error)
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -41,6 +42,11 @@ ENV_TOKEN_FILE = "KAREUS_DAEMON_TOKEN_FILE"
 DEFAULT_TOKEN_FILE = "/var/run/secrets/kareus.dev/node/token"
 TCP_PREFIX = "tcp://"
 TOKEN_RECHECK_S = 30.0  # how often a long-lived connection looks whether the kubelet rotated the token
+# How long `open_connection` keeps asking while the daemon answers "unavailable" (it cannot check
+# the caller yet: the pod's address not yet reported, the API server briefly away).
+UNAVAILABLE_WAIT_S = 60.0
+
+log = logging.getLogger("kareus.daemon_client")
 
 
 def daemon_endpoint(socket_path: str | None = None, address: str | None = None) -> str | None:
@@ -71,9 +77,10 @@ def parse_address(endpoint: str) -> tuple[str, int] | None:
 class DaemonError(KareusError):
     """The daemon refused a request or could not be reached; `code` is a protocol error code."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, answered: bool = False) -> None:
         super().__init__(f"node daemon: {message}")
         self.code = code
+        self.answered = answered  # the daemon's own answer, not a connection that failed
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,24 @@ class GPUReading:
         )
 
 
+def open_connection(endpoint: str, *, wait_s: float = UNAVAILABLE_WAIT_S, **options: Any) -> DaemonConnection:
+    """A `DaemonConnection` (`options` are its own), asked again for up to `wait_s` while the
+    daemon answers the hello "unavailable": it fails closed on facts it cannot establish yet,
+    and those come (a pod's first seconds) or come back. A daemon that cannot be reached, or
+    that refuses, is answered at once."""
+    deadline = time.monotonic() + wait_s
+    delay_s = 0.5
+    while True:
+        try:
+            return DaemonConnection(endpoint, **options)
+        except DaemonError as error:
+            if not (error.answered and error.code == protocol.E_UNAVAILABLE) or time.monotonic() + delay_s > deadline:
+                raise
+            log.info("%s; asking again in %.1f s", error, delay_s)
+        time.sleep(delay_s)
+        delay_s = min(2 * delay_s, 5.0)
+
+
 def power_limit_fields(watts: float | None) -> dict[str, Any]:
     """The fields of a ``power_limit`` request: ``watts``, or ``reset: true`` for None."""
     return {"reset": True} if watts is None else {"watts": float(watts)}
@@ -177,10 +202,14 @@ class DaemonConnection:
             raise DaemonError(protocol.E_UNAVAILABLE, f"cannot connect to {self._shown()}: {what}") from None
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
-        if address:  # the daemon answers nothing else before this
-            self.call("hello", job=job or "", token=self._token)
-        elif job:
-            self.call("hello", job=job)
+        try:
+            if address:  # the daemon answers nothing else before this
+                self.call("hello", job=job or "", token=self._token)
+            elif job:
+                self.call("hello", job=job)
+        except DaemonError:
+            self._sock.close()
+            raise
 
     def _open(self, address: tuple[str, int] | None, timeout_s: float) -> socket.socket:
         if address is None:
@@ -255,7 +284,8 @@ class DaemonConnection:
                 break
         if not reply.get("ok"):
             error = reply.get("error") or {}
-            raise DaemonError(error.get("code", protocol.E_INTERNAL), error.get("message", "request failed"))
+            raise DaemonError(error.get("code", protocol.E_INTERNAL), error.get("message", "request failed"),
+                              answered=True)
         return reply
 
     # -- requests ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import groupby
 
-from kareus.daemon_client import DaemonConnection, DaemonError
+from kareus.daemon_client import DaemonError, open_connection
 from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.profiler.backends import ProfilerBackend
 from kareus.search.problem import Candidate
@@ -28,7 +28,7 @@ class DaemonLocked(ProfilerBackend):
         self.backend = backend
         self.name, self.gpu_name, self.p_static_w = backend.name, backend.gpu_name, backend.p_static_w
         try:
-            self.connection = DaemonConnection(endpoint, job=job)
+            self.connection = open_connection(endpoint, job=job)
             gpus = self.connection.discover()
         except (DaemonError, OSError) as error:
             raise KareusError(f"the node daemon at {endpoint} cannot lock clocks for profiling: {error}",

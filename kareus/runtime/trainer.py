@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kareus.daemon_client import ClockClient, DaemonConnection, DaemonError, NullClockClient, connect
+from kareus.daemon_client import ClockClient, DaemonError, NullClockClient, connect, open_connection
 from kareus.errors import KareusError
 from kareus.gpu.pairing import EnergyAttributionError
 from kareus.plan import plan_at_row
@@ -538,7 +538,7 @@ def _my_gpus(socket_path: str | None, meter: MeasuredEnergy | None) -> list[str]
     if not socket_path:
         return None
     try:
-        with DaemonConnection(socket_path) as daemon:
+        with open_connection(socket_path) as daemon:
             controllable = [gpu.uuid for gpu in daemon.discover() if gpu.controllable]
     except DaemonError:
         return None  # `connect` reports the same problem and degrades to no clock control

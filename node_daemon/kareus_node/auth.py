@@ -58,6 +58,11 @@ SERVICEACCOUNT_USER_PREFIX = "system:serviceaccount:"
 MAX_TOKEN_BYTES = 16 * 1024  # a ServiceAccount JWT is ~1 KiB; anything far larger is not one
 CLOCK_SKEW_S = 60.0  # the early expiry refusal leaves the node's clock this much leeway over the API server's
 MAX_CACHED_REVIEWS = 4096
+# A pod's containers can start (and call) before the kubelet has reported its IP to the API
+# server; a hello waits this long for the address before answering "unavailable" (retryable),
+# less than the 5 s a client waits for an answer.
+POD_ADDRESS_WAIT_S = 3.0
+POD_ADDRESS_POLL_S = 0.5
 
 
 class AuthUnavailable(Exception):
@@ -172,6 +177,8 @@ class PodAuthorizer(Authorizer):
         if not self._config.namespace_allowed(pod.namespace):
             return _refuse_all(owner, gpu_uuids, f"namespace {pod.namespace} is not allowed by the node policy",
                                reviewed_at=reviewed_at)
+        if peer_ip and not pod.ips and not pod.host_network:
+            pod = self._pod_with_address(pod)
         if peer_ip and not _peer_is_pod(peer_ip, pod):
             return _refuse_all(owner, gpu_uuids, f"the connection comes from {peer_ip}, not from pod {pod.namespace}/"
                                f"{pod.name}'s address ({', '.join(pod.ips) or 'none yet'}): a token is only good "
@@ -190,6 +197,22 @@ class PodAuthorizer(Authorizer):
                 refusals[uuid] = ""
         ceiling = self.ceilings.for_pod(pod.uid) if self.ceilings is not None else None
         return Grant(owner, refusals, reviewed_at=reviewed_at, ceiling_mhz=ceiling)
+
+    def _pod_with_address(self, pod: PodRef) -> PodRef:
+        """`pod` as the API server lists it once the kubelet has reported its address (waiting at
+        most POD_ADDRESS_WAIT_S); raises AuthUnavailable if it still has none."""
+        deadline = time.monotonic() + POD_ADDRESS_WAIT_S
+        while True:
+            time.sleep(POD_ADDRESS_POLL_S)
+            try:
+                fresh = self._pods.lookup(pod.uid, needs_address=True)
+            except PodDirectoryUnavailable as error:
+                raise AuthUnavailable(str(error)) from None
+            if fresh is None or fresh.ips:
+                return fresh or pod  # gone: the address check refuses it
+            if time.monotonic() >= deadline:
+                raise AuthUnavailable(f"pod {pod.namespace}/{pod.name} has no address in the API server yet (the "
+                                      f"kubelet has not reported it), so its connection cannot be checked; retry")
 
 
 class KubeletAuthorizer(PodAuthorizer):

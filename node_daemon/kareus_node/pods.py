@@ -68,11 +68,15 @@ class PodDirectory:
         self._min_refresh_interval_s = min_refresh_interval_s
         self._lock = threading.Lock()
 
-    def lookup(self, uid: str) -> PodRef | None:
-        """The pod with this UID on this node, refreshing the cache when it is not known yet or too old."""
+    def lookup(self, uid: str, *, needs_address: bool = False) -> PodRef | None:
+        """The pod with this UID on this node, refreshing the cache when it is not known yet or too
+        old, or (`needs_address`) when the cached pod has no address yet: the kubelet reports a
+        pod's IP some time after its containers start, so a list taken in between lacks it."""
         with self._lock:
             age_s = time.monotonic() - self._refreshed_at
-            if (uid not in self._pods or age_s > self._max_age_s) and age_s >= self._min_refresh_interval_s:
+            cached = self._pods.get(uid)
+            stale = cached is None or age_s > self._max_age_s or (needs_address and not cached.ips)
+            if stale and age_s >= self._min_refresh_interval_s:
                 self._refresh()
             return self._pods.get(uid)
 
