@@ -171,6 +171,9 @@ async def test_a_tight_budget_is_enforced_at_the_node(dev_cluster, tmp_path):
                 return power.get("frontierRow") == row and ran.exists() and ran.read_text() == str(row)
 
             await until(lambda: at_row(slowest), what=f"the job running its slowest row {slowest}")
+            # The pod runs (it wrote its row) before the kubelet's status update says Running.
+            await until(lambda: training_pod_uid(kube, CAP_NS, "capped"), timeout_s=60,
+                        what="the training pod Running in the API")
             uid = await training_pod_uid(kube, CAP_NS, "capped")
             assert uid is not None
 
