@@ -43,7 +43,7 @@ GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
 NS, JOB, RELEASE, RELEASE_NS = "obs", "quickstart", "obs", "obs-system"
 SETTINGS = {"RESYNC_S": "2", "BACKOFF_BASE_S": "1", "PROGRESS_INTERVAL_S": "0.5", "LEASE_DURATION_S": "4"}
 SCRAPE_S = 2.0  # the dev cluster's monitors scrape every 2 s (prometheus.SCRAPE_INTERVAL)
-# A quickstart step holds its emulated GPUs for its modelled 2.9 s (TwinEnergy.hold); 16 steps keep
+# A quickstart step holds its emulated GPUs for its modelled 2.9 s (TwinEnergy.run_step); 16 steps keep
 # its pod on them for over 20 scrapes, so rates and increases over its lifetime have samples to work with.
 STEPS = 16
 QUICKSTART_GPUS = 4  # one training pod, one rank per GPU (tensor parallel 4)

@@ -71,6 +71,28 @@ def test_two_writers_and_a_reader_agree_without_losing_an_update(tmp_path):
     assert all(lap >= min(STEP_J) * (1 - 1e-9) for lap in laps[0] + laps[1])
 
 
+def test_a_held_step_puts_its_energy_on_the_counter_as_its_modelled_time_passes(tmp_path):
+    """NVML's counter rises while the GPU works: a 5.2 s step whose CPU part took 0.3 s shows
+    0.3/5.2 of its energy at once, then at most a slice's share per slice, the whole at the end."""
+    [gpu] = discover("sim", count=1, product=PRODUCT, node=NODE, device_dir=tmp_path)
+    twin = TwinEnergy(SharedSimulatedGPU(PRODUCT, 0, device_dir=tmp_path, uuid=gpu.uuid))
+    clock, seen = ManualClock(100.3), []
+
+    def sleep(seconds: float) -> None:
+        seen.append((clock.now_s - 100.0, gpu.energy_j()))
+        clock.now_s += seconds
+
+    wall_s, step_j = twin.run_step(100.0, 4100.0, 5.2, slice_s=0.5, now=clock, sleep=sleep)
+    assert wall_s == pytest.approx(5.2) and step_j == pytest.approx(4100.0, rel=1e-12)
+    assert gpu.energy_j() == pytest.approx(4100.0, rel=1e-12) and gpu.busy_s() == pytest.approx(5.2, rel=1e-12)
+    assert seen[0] == pytest.approx((0.3, 4100.0 * 0.3 / 5.2))
+    assert [round(t, 6) for t, _ in seen] == [round(0.3 + 0.5 * k, 6) for k in range(10)]
+    assert all(j == pytest.approx(4100.0 * t / 5.2, rel=1e-9) for t, j in seen)  # the modelled power, all along
+    clock.now_s = 200.0  # a step the CPU took longer than modelled: all of it at once, no wait
+    assert twin.run_step(190.0, 10.0, 5.2, now=clock, sleep=sleep) == (10.0, pytest.approx(10.0))
+    assert len(seen) == 10
+
+
 def test_one_writer_per_gpu_reads_back_exactly_its_own_energy(tmp_path):
     gpus = discover("sim", count=2, product=PRODUCT, node=NODE, device_dir=tmp_path)
     ranks = [TwinEnergy(SharedSimulatedGPU(PRODUCT, g.index, device_dir=tmp_path, uuid=g.uuid)) for g in gpus]

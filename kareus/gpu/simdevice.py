@@ -18,7 +18,7 @@ container that gets GPUs (and to the node agent, which asks for all of them with
 Time on this GPU is the *modelled* time. The training runtime runs on CPU, where a step may take
 longer than the GPU time the simulator models for it (a tiny model: about 0.34 s against 30 ms) or
 less (the quickstart's CPU proxy of Llama 3.2 3B: about 0.6 s against 2.9 s; the runtime then
-waits out the modelled time, `TwinEnergy.hold`, so the power read here is the modelled GPU's);
+waits out the modelled time, `TwinEnergy.run_step`, so the power read here is the modelled GPU's);
 the GPU has no time of its own between the modelled steps. So the counter only advances by the
 work accounted on it — each step's modelled energy, whose static power over the modelled
 iteration (bubbles included) is already in it (`kareus.runtime.energy.SimulatedEnergy`) — and

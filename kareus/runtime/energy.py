@@ -22,8 +22,11 @@ DESIGN.md §2.1: every GPU pays static power for the whole iteration, bubbles in
   per-GPU energy (and modelled GPU time) to that GPU's counter and reads its step energy back as
   the counter's rise since the previous step — the way `MeasuredEnergy` laps NVML's counter —
   and the node agent exports the same counter (`kareus.gpu.simdevice`). A step the CPU finishes
-  sooner than its modelled GPU time waits out the rest (`hold`), so the power read from the counter
-  is the modelled GPU's. Without such a device the modelled energy is used as it is.
+  sooner than its modelled GPU time waits out the rest (`run_step`), and its energy goes onto the
+  counter as that time passes, in slices of at most `ACCOUNT_SLICE_S`: NVML's counter rises while
+  the GPU works, so a power read from the counter over any window (the agent's, Prometheus' 60 s
+  rates) is the modelled GPU's, not a step's lump landing in one window and none in the next.
+  Without such a device the modelled energy is used as it is.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from kareus.sim.paramsfile import SimCalibration
 
 log = logging.getLogger("kareus.runtime")
+ACCOUNT_SLICE_S = 0.5  # how finely a held step's energy is put onto the shared counter
 
 
 @dataclass(frozen=True)
@@ -160,17 +164,26 @@ class TwinEnergy:
     def uuid(self) -> str:
         return self.device.uuid
 
-    @staticmethod
-    def hold(started_s: float, time_s: float) -> float:
-        """Wait until `time_s` (the step's modelled GPU time) has passed since `started_s`
-        (`time.perf_counter()`) and return the step's wall time. A GPU is busy for as long as its
-        work takes: a step the CPU finished sooner (a narrow CPU proxy of a large model) would
-        otherwise put the modelled energy into less wall time, and the power the node agent reads
-        would exceed what the modelled GPU draws."""
-        elapsed = time.perf_counter() - started_s
-        if elapsed < time_s:
-            time.sleep(time_s - elapsed)
-        return time.perf_counter() - started_s
+    def run_step(self, started_s: float, energy_j: float, time_s: float, *, slice_s: float = ACCOUNT_SLICE_S,
+                 now: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> tuple[float, float]:
+        """The step begun at `started_s` (`time.perf_counter()`) that the modelled GPU takes
+        `time_s` and `energy_j` for: its energy goes onto the counter in proportion to the modelled
+        time passed, and the rest of that time is waited out. Returns (the step's wall time, its
+        energy as the counter says). A GPU is busy for as long as its work takes: a step the CPU
+        finished sooner (a narrow CPU proxy of a large model) would otherwise put the modelled
+        energy into less wall time, and the power the node agent reads would exceed what the
+        modelled GPU draws."""
+        accounted = 0.0  # share of the step's energy and time already on the counter
+        while True:
+            elapsed = now() - started_s
+            share = 1.0 if time_s <= 0 else min(1.0, elapsed / time_s)
+            if share > accounted:
+                self.device.account_work(energy_j * (share - accounted), time_s * (share - accounted))
+                accounted = share
+            if accounted >= 1.0:
+                return elapsed, self.lap_j()
+            sleep(min(slice_s, time_s - elapsed))
 
     def step_j(self, energy_j: float, time_s: float) -> float:
         """Account one step's modelled work (this GPU's energy, the modelled iteration time) and

@@ -304,8 +304,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             modelled_s = (max(replica_s) if replica_s else simulated.time_s) if simulated else None
             gpu_j = meter.lap_j() if meter else simulated.stage_gpu_energy_j(modelled_s)[ctx.pp_rank]
             if twin is not None:  # onto the GPU's counter, and read back from it as from NVML's
-                elapsed = twin.hold(start, modelled_s)
-                gpu_j = twin.step_j(gpu_j, modelled_s)
+                elapsed, gpu_j = twin.run_step(start, gpu_j, modelled_s)
             loss, elapsed, job_j, control = _reduce_step(ctx, local_loss, elapsed, gpu_j, clock)
             rows_ran = straggle.rows
             decision = straggle.observe(step, replica_s) if replica_s is not None else None
