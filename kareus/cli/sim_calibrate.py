@@ -2,11 +2,13 @@
 
     kareus sim calibrate --targets kareus/sim/data/a100-targets.csv --out params.json \\
         [--fit gemm_efficiency,gpu.sm_dynamic_w_at_max,…] [--start FILE] [--json]
-    kareus sim calibrate --device-check device_check.json --out params.json
+    kareus sim calibrate --device-check device_check.json --out params.json \\
+        [--device-check-sections profiler,interference] [--fit activity_comm,…]
     kareus sim calibrate --profile-store STORE.jsonl --job JOB.yaml --out params.json
 
 Reads targets (a CSV of published points, the device-check JSON of `bench/device_check.py`, or an
-NVML profile store with its job), fits the named parameters (default: `DEFAULT_FIT`) by bounded
+NVML profile store with its job; of a device check, the sections `--device-check-sections` names,
+each that did not run printed as a note), fits the named parameters (default: `DEFAULT_FIT`) by bounded
 least squares on the targets marked `fit` (a row registered held-out is refused, see
 `kareus.sim.calibration.check_preregistration`), prints every target's value and error with the
 held-out ones apart and the file's label history, and writes a parameter file that `kareus sim …`,
@@ -45,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="comma-separated parameters to fit (SimParams fields or gpu.FIELD)")
     parser.add_argument("--start", metavar="FILE", default=None,
                         help="parameter file to start from (default: the shipped presets)")
+    parser.add_argument("--device-check-sections", default="profiler,interference",
+                        help="device check: the sections to take targets from (default profiler,interference; "
+                             "the interference section's energy windows settle exposed communication's power)")
     parser.add_argument("--holdout-every", type=int, default=3,
                         help="device check / profile store: hold out every N-th measurement (default 3)")
     parser.add_argument("--max-evaluations", type=int, default=300, help="least-squares evaluations (default 300)")
@@ -54,15 +59,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def load_targets(args: argparse.Namespace):
+def load_targets(args: argparse.Namespace, notes: list[str] | None = None):
     """The input's `TargetFile`: a CSV's rows with its label history, or the measurements of a
-    device check or profile store split by `--holdout-every` (their registration is that rule)."""
+    device check or profile store split by `--holdout-every` (their registration is that rule).
+    What a device check could not give (a section that did not run) is appended to `notes`."""
     from kareus.sim import calibration
 
     if args.targets:
         loaded = calibration.read_target_file(args.targets)
     elif args.device_check:
-        loaded = calibration.TargetFile(tuple(calibration.from_device_check(args.device_check, args.holdout_every)))
+        sections = [name.strip() for name in args.device_check_sections.split(",") if name.strip()]
+        found = calibration.read_device_check(args.device_check, args.holdout_every, sections)
+        if notes is not None:
+            notes.extend(f"{args.device_check}: {note}" for note in found.notes)
+        loaded = calibration.TargetFile(found.targets)
     else:
         if not args.job:
             raise KareusError("--profile-store: needs --job JOB.yaml (the store does not record the workload)")
@@ -82,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
         raise KareusError(f"--max-evaluations: must be >= 1, got {args.max_evaluations}")
     if not args.evaluate and not args.out:
         raise KareusError("--out: say where to write the fitted parameter file (or pass --evaluate)")
-    loaded = load_targets(args)
+    notes: list[str] = []
+    loaded = load_targets(args, notes)
+    for note in notes:  # on stderr under --json, so stdout stays one JSON document
+        print(f"note: {note}", file=sys.stderr if args.json else sys.stdout)
     targets, history = list(loaded.targets), loaded.history() if loaded.label_changes or loaded.model_choices else {}
     start = paramsfile.load_or_default(args.start)
     if args.evaluate:

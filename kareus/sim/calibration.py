@@ -17,8 +17,10 @@ lines record the other decisions taken after results were seen (a parameter left
 that also appears as a result).
 
 Targets come from a CSV of published points (`read_csv`: one row per target, the `Target` field
-names as columns), the device-check JSON (`from_device_check`: its `profiler` section, emulated
-partitions at whatever clock the GPU ran) or an NVML profile store with its job
+names as columns), the device-check JSON (`read_device_check`: its `profiler` section, emulated
+partitions at whatever clock the GPU ran, and its `interference` section's NVML energy windows, an
+op alone and beside a copy on K SMs, which settle what exposed communication draws) or an NVML
+profile store with its job
 (`from_profile_store`). Errors: relative for absolute quantities (time, energy, power, clock,
 throughput, ratios between clocks), absolute (in fraction points) for reductions and excesses.
 """
@@ -41,11 +43,11 @@ from kareus.errors import KareusError
 from kareus.sim.gpus import GPU_FITTABLE, get_gpu
 from kareus.sim.measurement import Measurement
 from kareus.sim.paramsfile import SimCalibration
-from kareus.sim.physics import FITTABLE
+from kareus.sim.physics import FITTABLE, Physics
 from kareus.sim.simulator import Simulator
 from kareus.workload.models import get_shape
-from kareus.workload.ops import LayerDims, layer_sequential_forward
-from kareus.workload.partitions import PartitionType, Workload, build_workload
+from kareus.workload.ops import BYTES_PER_ELEMENT, CommOp, ComputeOp, LayerDims, layer_sequential_forward
+from kareus.workload.partitions import PartitionType, Workload, build_workload, slot_names
 
 SPLITS = ("fit", "holdout")
 SHIPPED_TARGETS = Path(__file__).parent / "data" / "a100-targets.csv"  # the A100 fit's pre-registered points
@@ -71,7 +73,7 @@ PROBES: dict[str, tuple[str, str, float]] = {
     "megatron_tflops_per_gpu": ("TFLOP/s", "relative", 0.05),
     "nanobatching_time_ratio": ("ratio", "relative", 0.02),
 }
-WORKS = ("partition", "sequential:layers", "sequential:partition", "instruction")
+WORKS = ("partition", "sequential:layers", "sequential:partition", "instruction", "device_window")
 
 
 @dataclass(frozen=True)
@@ -81,9 +83,12 @@ class Target:
     `work` says what a time/energy/power/clock probe measures: `partition` (one partition of type
     `partition` at `launch_slot`, `comm_sms`), `sequential:partition` (that type's work run
     Megatron-style, per nanobatch), `sequential:layers` (`layers` layers' forward passes of a
-    microbatch, Megatron-style) or `instruction` (stage `stage`'s `direction` instruction,
-    Megatron-style). Study probes use `partition` and `clock_mhz`; ratio probes `ref_clock_mhz`;
-    `energy_min_clock_mhz` the clocks in `clocks_mhz`."""
+    microbatch, Megatron-style), `instruction` (stage `stage`'s `direction` instruction,
+    Megatron-style) or `device_window` (one iteration of an NVML energy window of
+    `bench/device_check.py`'s interference section: `op_count` × `op`, alone when `comm_sms` is 0,
+    else beside one local copy on `comm_sms` blocks that lasts `copy_s` alone, both started
+    together; see `device_window_measurement`). Study probes use `partition` and `clock_mhz`; ratio
+    probes `ref_clock_mhz`; `energy_min_clock_mhz` the clocks in `clocks_mhz`."""
 
     name: str
     probe: str
@@ -111,6 +116,9 @@ class Target:
     tolerance: float = 0.0
     source: str = ""
     registered: str = ""  # the split at pre-registration; empty: the same as `split`
+    op: str = ""  # work `device_window`: the device check's foreground op (`DEVICE_CHECK_OPS`)
+    op_count: int = 0  # work `device_window`: ops per iteration of the window
+    copy_s: float = 0.0  # work `device_window`: the copy run's measured time alone on `comm_sms` blocks
 
     @property
     def registered_split(self) -> str:
@@ -177,6 +185,13 @@ def make_target(row: Mapping[str, Any], where: str) -> Target:
     if not math.isfinite(target.value) or (target.error_kind == "relative" and target.value == 0):
         raise KareusError(f"{where}: value must be a finite number (non-zero for a relative probe), "
                           f"got {target.value!r}")
+    if target.work == "device_window":
+        if target.op not in DEVICE_CHECK_OPS:
+            raise KareusError(f"{where}: op must be one of {', '.join(DEVICE_CHECK_OPS)} for work device_window, "
+                              f"got {target.op!r}")
+        if target.op_count < 1 or target.comm_sms < 0 or (target.comm_sms > 0) != (target.copy_s > 0):
+            raise KareusError(f"{where}: a device_window needs op_count >= 1, and comm_sms >= 1 with copy_s > 0 "
+                              "(a copy beside the op) or both 0 (the op alone)")
     get_gpu(target.gpu)
     get_shape(target.model)
     return target
@@ -316,13 +331,24 @@ class Predictor:
 
     def __init__(self, calibration: SimCalibration) -> None:
         self.calibration = calibration
-        self._simulators: dict[tuple[str, float | None], Simulator] = {}
+        self._simulators: dict[tuple, Simulator] = {}  # (GPU, limit), or ("local copy", GPU, limit)
         self._workloads: dict[tuple, Workload] = {}
 
     def simulator(self, target: Target) -> Simulator:
         key = (target.gpu, target.power_limit_w)
         if key not in self._simulators:
             self._simulators[key] = Simulator(self.calibration.gpu(target.gpu), params=self.calibration.params,
+                                              power_limit_w=target.power_limit_w)
+        return self._simulators[key]
+
+    def local_copy_simulator(self, target: Target) -> Simulator:
+        """The twin for a copy between two buffers of one GPU (the device check's copy kernel): the
+        collective's copy kernel with no link — no NVLink cap on its rate (HBM contention bounds it)
+        and no NVLink energy — everything else (its SMs' power, HBM traffic, interference) as is."""
+        key = ("local copy", target.gpu, target.power_limit_w)
+        if key not in self._simulators:
+            spec = replace(self.calibration.gpu(target.gpu), nvlink_gb_per_s=math.inf)
+            self._simulators[key] = Simulator(spec, params=replace(self.calibration.params, link_pj_per_byte=0.0),
                                               power_limit_w=target.power_limit_w)
         return self._simulators[key]
 
@@ -348,6 +374,8 @@ class Predictor:
             return sim.instruction(stages[t.stage], t.direction, clock_mhz, None)
         if t.work == "sequential:partition":
             return sim.sequential_partition(self.ptype(t), clock_mhz)
+        if t.work == "device_window":
+            return device_window_measurement(sim if t.comm_sms == 0 else self.local_copy_simulator(t), t, clock_mhz)
         return sim.partition(self.ptype(t), clock_mhz, t.comm_sms, t.launch_slot)
 
     def study(self, t: Target, clock_mhz: int) -> dict[tuple[str, int], Measurement]:
@@ -567,21 +595,107 @@ def _denormalise(x: Sequence[float], bounds: Sequence[tuple[float, float]]) -> l
 # -- measurement sources ---------------------------------------------------------------------------
 # The device check's profiler section measures one GPU's share of this layout (bench/device_check.py).
 DEVICE_CHECK_LAYOUT = {"tp": 2, "cp": 1, "pp": 1, "seq_len": 4096, "micro_batch_size": 2}
+DEVICE_CHECK_SECTIONS = ("profiler", "interference")
+# The interference section's foreground ops (bench/device_check.py, `CudaTimer.ops`) as the twin's
+# kernels: `a @ a` on one 8192 × 8192 bf16 matrix (reads it twice, writes the product) and
+# `torch.add(x, y, out=z)` on 2^26 bf16 elements (two reads and one write per element).
+_GEMM_N = 8192
+_ADD_ELEMENTS = 1 << 26
+DEVICE_CHECK_OPS: dict[str, ComputeOp] = {
+    "gemm_bf16_8192": ComputeOp("gemm_bf16_8192", "gemm", 2.0 * _GEMM_N ** 3, 3.0 * _GEMM_N ** 2 * BYTES_PER_ELEMENT,
+                                "linear", rows=_GEMM_N, cols=_GEMM_N, depth=_GEMM_N),
+    "add_bf16_64M": ComputeOp("add_bf16_64M", "memory", float(_ADD_ELEMENTS), 3.0 * _ADD_ELEMENTS * BYTES_PER_ELEMENT,
+                              "activation"),
+}
+# `energy.per_iteration` of the interference section: an op+copyK iteration runs this many op
+# windows (`op_reps` ops each) beside one copy run; an op-alone iteration runs one.
+DEVICE_CHECK_OP_WINDOWS_BESIDE_COPY = 4
 
 
-def from_device_check(path: str | Path, holdout_every: int = 3) -> list[Target]:
-    """Targets from `bench/device_check.py`'s JSON: each emulated partition of its `profiler`
-    section with an NVML energy window gives a time target (CUDA events) and an energy target
-    (the window's energy per run) at the median SM clock read inside the window."""
+def local_copy(physics: Physics, blocks: int, alone_s: float) -> CommOp:
+    """The device check's copy kernel as the twin's copy: a ring step that reads and writes HBM
+    (an all-gather's 2 HBM bytes per byte, i.e. read source, write destination) on `blocks` SMs,
+    sized so that alone it lasts the measured `alone_s` (`Physics.comm_rate`, `comm_duration_s`,
+    `contention`, as the timeline plays it)."""
+    rate = physics.comm_rate(blocks)
+    slowdown = physics.contention(physics.params.comm_hbm_bytes_per_ring_byte("all_gather") * rate)
+    ring_bytes = max(alone_s / slowdown - physics.params.comm_step_latency_s, 0.0) * rate
+    return CommOp("device check copy", "all_gather", "tp", 2, 2.0 * ring_bytes)  # ring bytes = payload/2
+
+
+def device_window_measurement(sim: Simulator, t: Target, clock_mhz: float) -> Measurement:
+    """One iteration of a device-check energy window on the twin: `op_count` × `op` back to back
+    (Megatron-style kernels), or beside a copy on `comm_sms` blocks launched with the first op, each
+    op on the SMs the copy leaves until the copy ends, then a join — the twin's partition timeline
+    with the copy as its collective (`sim` a `Predictor.local_copy_simulator`)."""
+    ops = (DEVICE_CHECK_OPS[t.op],) * t.op_count
+    if t.comm_sms == 0:
+        return sim.sequential(ops, clock_mhz)
+    copy = local_copy(sim.physics, t.comm_sms, t.copy_s)
+    ptype = PartitionType(f"{t.op}+copy{t.comm_sms}", "forward", ops, copy, (slot_names(ops)[0],), (t.comm_sms,),
+                          "small")
+    return sim.partition(ptype, clock_mhz, t.comm_sms, ptype.launch_slots[0])
+
+
+@dataclass(frozen=True)
+class DeviceCheckTargets:
+    """The targets of a device-check report, and a note for each wanted section that gave none."""
+
+    targets: tuple[Target, ...]
+    notes: tuple[str, ...] = ()
+
+
+def read_device_check(path: str | Path, holdout_every: int = 3,
+                      sections: Sequence[str] = DEVICE_CHECK_SECTIONS) -> DeviceCheckTargets:
+    """Targets from `bench/device_check.py`'s JSON, section by section (`sections`, in order):
+
+    - `profiler`: each emulated partition with an NVML energy window gives a time target (CUDA
+      events) and an energy target (the window's energy per run) at the median SM clock read inside
+      the window;
+    - `interference`: each NVML energy window (`op` alone, `op+copyK`) gives a time and an average
+      power target per iteration at the median SM clock read inside it (`device_window` targets;
+      the copy's time alone on K blocks comes from the matrix row of that copy). The op-alone
+      windows pin the op's own power; beside the copy the difference is the copy's K SMs
+      (`activity_comm`) and its HBM traffic — what an exposed collective draws (docs/simulator.md,
+      "Exposed communication").
+
+    Every `holdout_every`-th measurement over all of them is held out (`assign_splits`). A section
+    that did not run, or gave no usable window, is a note; when none of `sections` gives a target,
+    one `KareusError` names each one's reason."""
+    unknown = [name for name in sections if name not in DEVICE_CHECK_SECTIONS]
+    if unknown or not sections:
+        raise KareusError(f"--device-check-sections: {unknown[0] if unknown else 'nothing'!r} is not a section "
+                          f"calibrate reads; allowed: {', '.join(DEVICE_CHECK_SECTIONS)}")
     data = _json(path)
     if data.get("schema") != "kareus.device_check":
         raise KareusError(f"{path}: not a device-check report (schema {data.get('schema')!r}, "
                           "expected 'kareus.device_check')")
-    section = data.get("sections", {}).get("profiler", {})
-    if section.get("status") != "ok":
-        raise KareusError(f"{path}: its profiler section did not run ({section.get('status', 'missing')}: "
-                          f"{section.get('reason') or section.get('error') or 'no result'}); nothing to fit")
-    result = section["result"]
+    readers = {"profiler": _profiler_targets, "interference": _interference_targets}
+    targets: list[Target] = []
+    notes: list[str] = []
+    for name in sections:
+        section = data.get("sections", {}).get(name, {})
+        if section.get("status") != "ok":
+            notes.append(f"its {name} section did not run ({section.get('status', 'missing')}: "
+                         f"{section.get('reason') or section.get('error') or 'no result'})")
+            continue
+        found, why = readers[name](path, data, section["result"])
+        targets.extend(found)
+        if why:
+            notes.append(why)
+    if not targets:
+        raise KareusError(f"{path}: {'; '.join(notes)}; nothing to fit")
+    return DeviceCheckTargets(tuple(assign_splits(targets, holdout_every)), tuple(notes))
+
+
+def from_device_check(path: str | Path, holdout_every: int = 3,
+                      sections: Sequence[str] = DEVICE_CHECK_SECTIONS) -> list[Target]:
+    """The targets of `read_device_check` (its notes dropped)."""
+    return list(read_device_check(path, holdout_every, sections).targets)
+
+
+def _profiler_targets(path: str | Path, data: Mapping[str, Any], result: Mapping[str, Any]
+                      ) -> tuple[list[Target], str | None]:
     gpu = _device_gpu(data, result)
     targets: list[Target] = []
     for row in result.get("rows", []):
@@ -598,9 +712,65 @@ def from_device_check(path: str | Path, holdout_every: int = 3) -> list[Target]:
                                     "unit": "s"}, str(path)))
         targets.append(make_target({**base, "name": f"{name} energy", "probe": "energy_j",
                                     "value": window["energy_j"], "unit": "J"}, str(path)))
-    if not targets:
-        raise KareusError(f"{path}: its profiler section has no rows with an energy window and clock readings")
-    return assign_splits(targets, holdout_every)
+    why = None if targets else "its profiler section has no rows with an energy window and clock readings"
+    return targets, why
+
+
+def _interference_targets(path: str | Path, data: Mapping[str, Any], result: Mapping[str, Any]
+                          ) -> tuple[list[Target], str | None]:
+    gpu = get_gpu(str(data.get("cuda_device_0", ""))).name
+    limit_w = _device_power_limit(data, gpu)
+    energy = result.get("energy") or {}
+    reps = result.get("op_reps") or {}
+    copy_alone_s = {(row.get("op"), row.get("blocks")): row.get("background_s") for row in result.get("rows", [])
+                    if row.get("background") == "copy"}
+    targets: list[Target] = []
+    skipped: list[str] = []
+    for name, window in energy.items():
+        if not isinstance(window, Mapping):
+            continue  # per_iteration, truncated, error: text
+        op, _, background = name.partition("+")
+        clocks = window.get("sm_clock_mhz_inside") or []
+        blocks = int(background.removeprefix("copy")) if background.startswith("copy") and \
+            background[4:].isdigit() else 0
+        alone_s = copy_alone_s.get((op, blocks)) if blocks else 0.0
+        power_w = window.get("power_w")
+        if op not in DEVICE_CHECK_OPS or (background and not blocks) or not reps.get(op):
+            skipped.append(f"{name} (not a window the twin predicts)")
+            continue
+        if "error" in window or not clocks or not window.get("time_s") or not power_w or (blocks and not alone_s):
+            skipped.append(f"{name} ({window.get('error') or 'no clock, time, power or copy time alone'})")
+            continue
+        clock = int(statistics.median(clocks))
+        count = int(reps[op]) * (DEVICE_CHECK_OP_WINDOWS_BESIDE_COPY if blocks else 1)
+        base = {"gpu": gpu, "power_limit_w": limit_w, "work": "device_window", "op": op, "op_count": count,
+                "comm_sms": blocks, "copy_s": alone_s or 0.0, "clock_mhz": clock,
+                "source": f"device check {Path(path).name}: interference energy window {name}"}
+        label = f"{name} window {clock} MHz"
+        targets.append(make_target({**base, "name": f"{label} time", "probe": "time_s", "value": window["time_s"],
+                                    "unit": "s"}, str(path)))
+        targets.append(make_target({**base, "name": f"{label} power", "probe": "avg_power_w", "value": power_w,
+                                    "unit": "W"}, str(path)))
+    why = None
+    if skipped or not targets:
+        why = (f"its interference section's energy windows: {len(targets) // 2} read"
+               + (f", skipped {', '.join(skipped)}" if skipped else "")
+               + ("" if energy else " (no energy windows)")
+               + (f"; {energy['error']}" if isinstance(energy.get("error"), str) else "")
+               + (f"; {energy['truncated']}" if isinstance(energy.get("truncated"), str) else ""))
+    return targets, why
+
+
+def _device_power_limit(data: Mapping[str, Any], gpu: str) -> float | None:
+    """cuda:0's enforced power limit from the nvml section when it is not the preset's (None:
+    the preset's, or not read)."""
+    found = (data.get("sections", {}).get("nvml") or {}).get("result") or {}
+    index = found.get("cuda_device_0_nvml_index")
+    for entry in found.get("gpus", []):
+        limit = entry.get("power_limit_w")
+        if entry.get("nvml_index") == index and isinstance(limit, int | float) and not isinstance(limit, bool):
+            return None if float(limit) == get_gpu(gpu).power_limit_w else float(limit)
+    return None
 
 
 def _device_gpu(data: Mapping[str, Any], result: Mapping[str, Any]) -> str:
