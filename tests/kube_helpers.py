@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from typing import Any
 
+import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
@@ -68,3 +70,20 @@ def wait_until(read, check, *, timeout_s: float, what: str, interval_s: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not reached within {timeout_s:.0f} s; last: {value}")
         time.sleep(interval_s)
+
+
+def install_platform_monitors(dev_cluster) -> dict[str, Any]:
+    """The monitoring API on the session's cluster and the platform release's monitors and rules
+    (node agents, training pods in every namespace), as a platform team's Prometheus Operator
+    would have them; the chart's `metrics` values, for a release's own monitors."""
+    from kareus_devcluster.cluster import RELEASE, RELEASE_NAMESPACE
+    from kareus_devcluster.prometheus import MONITORING_GROUP, install_monitoring
+
+    metrics = install_monitoring(dev_cluster)
+    platform = dev_cluster.values(operator=False, node_agent=True, worker_namespaces=())
+    platform["metrics"] = metrics
+    monitoring = [o for o in dev_cluster.render(RELEASE, RELEASE_NAMESPACE, platform)
+                  if o["apiVersion"].startswith(MONITORING_GROUP)]
+    dev_cluster.kubectl("apply", "--server-side", f"--field-manager=helm-{RELEASE}", "-f", "-",
+                        input=yaml.safe_dump_all(monitoring))
+    return metrics

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kube_helpers import read_or_none, wait_until
+from kube_helpers import install_platform_monitors, read_or_none, wait_until
 from kubernetes import client, config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -59,18 +59,9 @@ UNIT_RANGE = {"watt": (0.0, 8 * 1000.0), "kwatth": (0.0, 1.0), "joule": (0.0, 1e
 def observed(dev_cluster, tmp_path_factory):
     """(cluster, prometheus, jobs API, core API): monitors, an operator release, Prometheus, and the
     quickstart finished."""
-    from kareus_devcluster.cluster import RELEASE as PLATFORM
-    from kareus_devcluster.cluster import RELEASE_NAMESPACE as PLATFORM_NS
-    from kareus_devcluster.prometheus import MONITORING_GROUP, DevPrometheus, install_monitoring
+    from kareus_devcluster.prometheus import DevPrometheus
 
-    metrics = install_monitoring(dev_cluster)
-    # The platform release's monitors and rules (node agents, training pods in every namespace).
-    platform = dev_cluster.values(operator=False, node_agent=True, worker_namespaces=())
-    platform["metrics"] = metrics
-    monitoring = [o for o in dev_cluster.render(PLATFORM, PLATFORM_NS, platform)
-                  if o["apiVersion"].startswith(MONITORING_GROUP)]
-    dev_cluster.kubectl("apply", "--server-side", f"--field-manager=helm-{PLATFORM}", "-f", "-",
-                        input=yaml.safe_dump_all(monitoring))
+    metrics = install_platform_monitors(dev_cluster)
     # An operator release for namespace `obs`, with its own ServiceMonitor (its training pods are the
     # platform PodMonitor's).
     values = dev_cluster.values(operator=True, node_agent=False, settings=SETTINGS, worker_namespaces=[NS],
