@@ -49,11 +49,12 @@ async def plan_row(kube: Kube, name: str) -> int:
     return Plan.loads(plan_text(cm)).selected_row
 
 
-async def until(check, timeout_s: float = 180.0, what: str = "") -> None:
+async def until(check, timeout_s: float = 180.0, what: str = "", why=None) -> None:
+    """Poll `check` until true; a timeout names `what` and, when given, `why()` (what still lagged)."""
     deadline = time.monotonic() + timeout_s
     while not await check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"never true: {what}")
+            raise AssertionError(f"never true: {what}" + (f"; last: {why()}" if why else ""))
         await asyncio.sleep(0.3)
 
 
@@ -76,20 +77,27 @@ async def test_power_budget_allots_holds_and_reallocates(dev_cluster, tmp_path):
                 await kube.request("POST", path(JOBS_API, "kareusjobs", NS), job)
             want = expected(plan, budget_w, list(OBJECTIVES))
 
+            lag: dict[str, str] = {}
+
             async def allotted(names, rows_wanted):
                 for name in names:
                     job = await kube.get(path(JOBS_API, "kareusjobs", NS, name))
-                    power = (job.get("status") or {}).get("power") or {}
-                    if power.get("frontierRow") != rows_wanted[name] or not job["status"].get("trainingStartTime"):
+                    status = job.get("status") or {}
+                    power = status.get("power") or {}
+                    if power.get("frontierRow") != rows_wanted[name] or not status.get("trainingStartTime"):
+                        lag["why"] = f"{name}: status.power {power}, phase {status.get('phase')}"
                         return False
-                    if await plan_row(kube, name) != rows_wanted[name]:
+                    if (row := await plan_row(kube, name)) != rows_wanted[name]:
+                        lag["why"] = f"{name}: the plan ConfigMap's row {row}"
                         return False
                     ran = tmp_path / f"{name}.row"
                     if not ran.exists() or ran.read_text() != str(rows_wanted[name]):
+                        ran_row = ran.read_text() if ran.exists() else None
+                        lag["why"] = f"{name}: the training pod still runs row {ran_row}"
                         return False  # the training pod has not read its allotted row yet
                 return True
 
-            await until(lambda: allotted(OBJECTIVES, want), what=f"allotted rows {want}")
+            await until(lambda: allotted(OBJECTIVES, want), what=f"allotted rows {want}", why=lambda: lag.get("why"))
             jobs = {n: await kube.get(path(JOBS_API, "kareusjobs", NS, n)) for n in OBJECTIVES}
             watts = {n: j["status"]["power"]["allottedWatts"] for n, j in jobs.items()}
             assert sum(watts.values()) <= budget_w
@@ -119,7 +127,8 @@ async def test_power_budget_allots_holds_and_reallocates(dev_cluster, tmp_path):
             (tmp_path / "a.finish").write_text("")
             await wait_for(kube, NS, "a", lambda j: (j.get("status") or {}).get("phase") == "Succeeded")
             after = expected(plan, budget_w, ["b", "late"])
-            await until(lambda: allotted(["b", "late"], after), what=f"re-allotted rows {after}")
+            await until(lambda: allotted(["b", "late"], after), what=f"re-allotted rows {after}",
+                        why=lambda: lag.get("why"))
             again = {n: (await kube.get(path(JOBS_API, "kareusjobs", NS, n)))["status"]["power"]["allottedWatts"]
                      for n in ("b", "late")}
             assert sum(again.values()) <= budget_w
