@@ -31,7 +31,9 @@ guarded so that one failing records its error and the others still run:
   communicator was built with);
 - `interference`: a GEMM and a memory-bound op alone and inside a long-running copy kernel (and an
   arithmetic-only spinner) on k = 1…32 blocks, the SMs those blocks actually got, the copy's own
-  slowdown, and energy per op from NVML windows ≥ 2.5 s;
+  slowdown, and NVML energy windows ≥ 2.5 s (`energy_windows`): each op alone, each op beside the
+  copy on K blocks (`op+copyK`), and the copy and the spinner alone on K blocks (`copyK`, `spinK`:
+  K SMs working, every other SM idle at the working clock — what an exposed collective is);
 - `energy_load`: the energy counter under a GEMM load, instant vs averaged power;
 - `cuda_smoke`: `kareus.runtime.smoke.cuda_smoke` fp32 and bf16, default and explicit launch slots
   and SM counts (needs the runtime: torch, numpy and Kareus' pure core);
@@ -917,13 +919,16 @@ class CudaTimer(Timer):
         self.torch.cuda.synchronize()
         return Window(self._s(start), self._s(end), reps, self._s(bg_start), self._s(bg_end), self._sms())
 
-    def pair(self, op: str, kind: str | None, blocks: int) -> Callable[[], None]:
+    def pair(self, op: str | None, kind: str | None, blocks: int) -> Callable[[], None]:
         """One energy-window iteration: one op window alone; with `kind`, one background run
-        (~4 op windows long) beside 4 op windows, both starting together."""
+        (~4 op windows long) beside 4 op windows, both starting together; with `op` None, the
+        background run alone (the main stream only waits for it)."""
+        reps = 0 if op is None else self.reps[op] * (1 if kind is None else 4)
+
         def run() -> None:
             if kind is not None:
                 self._background(kind, blocks, self.passes[(kind, blocks)])
-            for _ in range(self.reps[op] * (1 if kind is None else 4)):
+            for _ in range(reps):
                 self.ops[op]()
             self.torch.cuda.current_stream().wait_stream(self.side)
         return run
@@ -958,28 +963,77 @@ def energy_window(nvml: ReadOnlyNVML, handle: Any, run: Callable[[], None], sync
             "sm_clock_mhz_inside": clocks, "instant_power_w_inside": powers}
 
 
+# What one iteration of each energy window runs (the report's `energy.per_iteration`).
+ENERGY_PER_ITERATION = ("op alone: op_reps ops; op+copyK: one copy run on K blocks beside 4 × op_reps ops, started "
+                        "together; copyK / spinK: one copy / spinner run on K blocks alone, every other SM idle "
+                        "(iterations back to back, each joined)")
+
+
+@dataclass(frozen=True)
+class EnergyWindow:
+    """One NVML energy window of the interference section: `op` (None: no foreground op) beside
+    `kind` on `blocks` blocks (None: the op alone)."""
+
+    op: str | None
+    kind: str | None
+    blocks: int
+
+    @property
+    def name(self) -> str:
+        """`op`, `op+copyK`, or `copyK` / `spinK` for a background alone."""
+        if self.kind is None:
+            return str(self.op)
+        return f"{self.kind}{self.blocks}" if self.op is None else f"{self.op}+{self.kind}{self.blocks}"
+
+    def iteration_s(self, target_s: float) -> float:
+        """About how long one iteration runs: an op window, or a background run (~4 op windows)."""
+        return target_s if self.kind is None else 4 * target_s
+
+
+def energy_windows(ops: Sequence[str], kinds: Sequence[str], blocks: Sequence[int]) -> list[EnergyWindow]:
+    """The windows, most needed first (a tight budget drops the last): each op alone, each op
+    beside the copy on K ∈ `ENERGY_BLOCKS` blocks, then the copy and the spinner (those of `kinds`)
+    alone on those K — the exposed phase itself, K SMs working and the rest idle."""
+    ks = [k for k in ENERGY_BLOCKS if k in blocks]
+    windows = [EnergyWindow(op, None, 0) for op in ops]
+    windows += [EnergyWindow(op, "copy", k) for k in ks for op in ops] if "copy" in kinds else []
+    windows += [EnergyWindow(None, kind, k) for kind in ("copy", "spin") if kind in kinds for k in ks]
+    return windows
+
+
+def measure_energy_windows(nvml: ReadOnlyNVML, handle: Any, windows: Sequence[EnergyWindow],
+                           run_for: Callable[[EnergyWindow], Callable[[], None]], sync: Callable[[], None],
+                           budget: Budget, window_s: float, target_s: float, *,
+                           clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """Each window's `energy_window`, in order, by name; stops (`truncated` says before which)
+    when the budget cannot cover another window."""
+    energy: dict[str, Any] = {}
+    for window in windows:
+        if budget.left_s() < window_s + 3:
+            energy["truncated"] = (f"budget: stopped before {window.op or '(no op)'} + {window.kind} on "
+                                   f"{window.blocks}")
+            break
+        energy[window.name] = guarded(lambda window=window: energy_window(
+            nvml, handle, run_for(window), sync, window.iteration_s(target_s), window_s, clock=clock))
+    energy["per_iteration"] = ENERGY_PER_ITERATION
+    return energy
+
+
 def interference(torch: Any, nvml: ReadOnlyNVML | None, handle: Any, budget: Budget, window_s: float) -> dict[str, Any]:
     timer = CudaTimer(torch)
     blocks = INTERFERENCE_BLOCKS if timer._triton else (1,)
-    matrix = interference_matrix(timer, list(timer.ops), ("copy", "spin"), blocks, budget,
-                                 min_left_s=8 * window_s)
+    kinds = ("copy", "spin")
+    windows = energy_windows(list(timer.ops), kinds, blocks)
+    # The matrix leaves the windows their time (each ≥ window_s, plus two for rounding and syncs).
+    matrix = interference_matrix(timer, list(timer.ops), kinds, blocks, budget,
+                                 min_left_s=(len(windows) + 2) * window_s)
     matrix["op_reps"] = timer.reps
-    energy: dict[str, Any] = {}
     if handle is None:
-        energy["error"] = "no NVML handle for cuda:0 (UUID not found in NVML)"
+        energy: dict[str, Any] = {"error": "no NVML handle for cuda:0 (UUID not found in NVML)",
+                                  "per_iteration": ENERGY_PER_ITERATION}
     else:
-        windows = [(op, None, 0) for op in timer.ops]
-        windows += [(op, "copy", k) for k in ENERGY_BLOCKS if k in blocks for op in timer.ops]
-        for op, kind, k in windows:
-            if budget.left_s() < window_s + 3:
-                energy["truncated"] = f"budget: stopped before {op} + {kind} on {k}"
-                break
-            name = op if kind is None else f"{op}+{kind}{k}"
-            per_iteration_s = 4 * timer.target_s if kind else timer.target_s  # a background run lasts ~4 windows
-            energy[name] = guarded(energy_window, nvml, handle, timer.pair(op, kind, k), torch.cuda.synchronize,
-                                   per_iteration_s, window_s)
-    energy["per_iteration"] = ("op alone: op_reps ops; op+copyK: one copy run on K blocks beside 4 × op_reps ops, "
-                               "started together (iterations back to back, each joined)")
+        energy = measure_energy_windows(nvml, handle, windows, lambda w: timer.pair(w.op, w.kind, w.blocks),
+                                        torch.cuda.synchronize, budget, window_s, timer.target_s)
     matrix["energy"] = energy
     worst = max((r for r in matrix["rows"] if r["background"] == "copy"), key=lambda r: r["op_slowdown"],
                 default=None)

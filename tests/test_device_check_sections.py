@@ -411,3 +411,30 @@ def test_every_timed_triton_specialisation_is_launched_once_first(dc):
                                         ("spin", 32, 5 << 16)]
     # The calibration launches are timed too, so the kernel probe launches exactly those.
     assert dc.CALIBRATION_UNITS == {"copy": 1, "spin": 1 << 16}
+
+
+def test_the_energy_windows_include_the_copy_and_the_spinner_alone_and_stop_at_the_budget(dc):
+    windows = dc.energy_windows(["gemm", "add"], ["copy", "spin"], dc.INTERFERENCE_BLOCKS)
+    assert [w.name for w in windows] == ["gemm", "add", "gemm+copy8", "add+copy8", "gemm+copy32", "add+copy32",
+                                         "copy8", "copy32", "spin8", "spin32"]
+    assert [w.iteration_s(0.02) for w in windows] == [0.02] * 2 + [0.08] * 8
+    assert [w.name for w in dc.energy_windows(["gemm"], ["copy", "spin"], (1,))] == ["gemm"]  # no K measured
+    assert [w.name for w in dc.energy_windows(["gemm"], ["copy"], (8,))] == ["gemm", "gemm+copy8", "copy8"]
+    nvml, handle = _nvml(dc)
+    fake = FakeTime()
+    # Op windows: 10 iterations of 0.25 s; background windows: 4 of 1 s. After the six op windows
+    # 21 s have gone, 4 s are left: less than a window (2.5 s) and 3 s of rounding and syncs.
+    budget = dc.Budget(25, fake.clock)
+    ran = []
+
+    def run_for(window):
+        ran.append(window.name)
+        return lambda: fake.sleep(window.iteration_s(0.25))
+
+    energy = dc.measure_energy_windows(nvml, handle, windows, run_for, lambda: None, budget, 2.5, 0.25,
+                                       clock=fake.clock)
+    assert ran == [w.name for w in windows[:6]] and fake.now == pytest.approx(21.0)
+    assert energy["truncated"] == "budget: stopped before (no op) + copy on 8"
+    assert energy["per_iteration"] == dc.ENERGY_PER_ITERATION and "copyK / spinK" in energy["per_iteration"]
+    assert energy["add+copy32"]["power_w"] == pytest.approx(85.0, 1e-3)
+    _no_writes()

@@ -19,8 +19,8 @@ that also appears as a result).
 Targets come from a CSV of published points (`read_csv`: one row per target, the `Target` field
 names as columns), the device-check JSON (`read_device_check`: its `profiler` section, emulated
 partitions at whatever clock the GPU ran, and its `interference` section's NVML energy windows, an
-op alone and beside a copy on K SMs, which settle what exposed communication draws) or an NVML
-profile store with its job
+op alone, beside a copy on K SMs and the copy alone on K SMs, which settle what exposed
+communication draws) or an NVML profile store with its job
 (`from_profile_store`). Errors: relative for absolute quantities (time, energy, power, clock,
 throughput, ratios between clocks), absolute (in fraction points) for reductions and excesses.
 """
@@ -45,6 +45,7 @@ from kareus.sim.measurement import Measurement
 from kareus.sim.paramsfile import SimCalibration
 from kareus.sim.physics import FITTABLE, Physics
 from kareus.sim.simulator import Simulator
+from kareus.sim.timeline import partition_tally
 from kareus.workload.models import get_shape
 from kareus.workload.ops import BYTES_PER_ELEMENT, CommOp, ComputeOp, LayerDims, layer_sequential_forward
 from kareus.workload.partitions import PartitionType, Workload, build_workload, slot_names
@@ -87,7 +88,8 @@ class Target:
     Megatron-style) or `device_window` (one iteration of an NVML energy window of
     `bench/device_check.py`'s interference section: `op_count` × `op`, alone when `comm_sms` is 0,
     else beside one local copy on `comm_sms` blocks that lasts `copy_s` alone, both started
-    together; see `device_window_measurement`). Study probes use `partition` and `clock_mhz`; ratio
+    together; with no op (`op` "", `op_count` 0) that copy alone, every other SM idle — the
+    exposed phase itself; see `device_window_measurement`). Study probes use `partition` and `clock_mhz`; ratio
     probes `ref_clock_mhz`; `energy_min_clock_mhz` the clocks in `clocks_mhz`."""
 
     name: str
@@ -116,8 +118,8 @@ class Target:
     tolerance: float = 0.0
     source: str = ""
     registered: str = ""  # the split at pre-registration; empty: the same as `split`
-    op: str = ""  # work `device_window`: the device check's foreground op (`DEVICE_CHECK_OPS`)
-    op_count: int = 0  # work `device_window`: ops per iteration of the window
+    op: str = ""  # work `device_window`: the device check's foreground op (`DEVICE_CHECK_OPS`; "": none)
+    op_count: int = 0  # work `device_window`: ops per iteration of the window (0: the copy alone)
     copy_s: float = 0.0  # work `device_window`: the copy run's measured time alone on `comm_sms` blocks
 
     @property
@@ -186,10 +188,14 @@ def make_target(row: Mapping[str, Any], where: str) -> Target:
         raise KareusError(f"{where}: value must be a finite number (non-zero for a relative probe), "
                           f"got {target.value!r}")
     if target.work == "device_window":
-        if target.op not in DEVICE_CHECK_OPS:
-            raise KareusError(f"{where}: op must be one of {', '.join(DEVICE_CHECK_OPS)} for work device_window, "
-                              f"got {target.op!r}")
-        if target.op_count < 1 or target.comm_sms < 0 or (target.comm_sms > 0) != (target.copy_s > 0):
+        if target.op not in DEVICE_CHECK_OPS and target.op != "":
+            raise KareusError(f"{where}: op must be one of {', '.join(DEVICE_CHECK_OPS)}, or empty for the copy "
+                              f"alone, for work device_window, got {target.op!r}")
+        if target.op == "":
+            if target.op_count != 0 or target.comm_sms < 1 or target.copy_s <= 0:
+                raise KareusError(f"{where}: a device_window without an op (the copy alone) needs op_count 0, "
+                                  "comm_sms >= 1 and copy_s > 0")
+        elif target.op_count < 1 or target.comm_sms < 0 or (target.comm_sms > 0) != (target.copy_s > 0):
             raise KareusError(f"{where}: a device_window needs op_count >= 1, and comm_sms >= 1 with copy_s > 0 "
                               "(a copy beside the op) or both 0 (the op alone)")
     get_gpu(target.gpu)
@@ -627,11 +633,20 @@ def device_window_measurement(sim: Simulator, t: Target, clock_mhz: float) -> Me
     """One iteration of a device-check energy window on the twin: `op_count` × `op` back to back
     (Megatron-style kernels), or beside a copy on `comm_sms` blocks launched with the first op, each
     op on the SMs the copy leaves until the copy ends, then a join — the twin's partition timeline
-    with the copy as its collective (`sim` a `Predictor.local_copy_simulator`)."""
-    ops = (DEVICE_CHECK_OPS[t.op],) * t.op_count
+    with the copy as its collective (`sim` a `Predictor.local_copy_simulator`). With no op the
+    same timeline has nothing to overlap: the copy runs exposed on its `comm_sms` SMs (their
+    `activity_comm`, its HBM traffic; the other SMs idle, P_static only) at the clock, then the join."""
+    ops = (DEVICE_CHECK_OPS[t.op],) * t.op_count if t.op else ()
     if t.comm_sms == 0:
         return sim.sequential(ops, clock_mhz)
     copy = local_copy(sim.physics, t.comm_sms, t.copy_s)
+    if not ops:
+        # The Simulator's partition entry needs a launch slot, i.e. a compute op; the timeline
+        # itself plays an empty partition as its exposed tail alone, so it is measured directly.
+        sim.gpu.check_clock(clock_mhz)
+        if not 1 <= t.comm_sms < sim.gpu.sms:
+            raise KareusError(f"{t.name}: comm_sms must be in 1..{sim.gpu.sms - 1}, got {t.comm_sms}")
+        return sim._measure(lambda clock: partition_tally(sim.physics, (), copy, 0, t.comm_sms, clock), clock_mhz)
     ptype = PartitionType(f"{t.op}+copy{t.comm_sms}", "forward", ops, copy, (slot_names(ops)[0],), (t.comm_sms,),
                           "small")
     return sim.partition(ptype, clock_mhz, t.comm_sms, ptype.launch_slots[0])
@@ -652,12 +667,15 @@ def read_device_check(path: str | Path, holdout_every: int = 3,
     - `profiler`: each emulated partition with an NVML energy window gives a time target (CUDA
       events) and an energy target (the window's energy per run) at the median SM clock read inside
       the window;
-    - `interference`: each NVML energy window (`op` alone, `op+copyK`) gives a time and an average
-      power target per iteration at the median SM clock read inside it (`device_window` targets;
-      the copy's time alone on K blocks comes from the matrix row of that copy). The op-alone
-      windows pin the op's own power; beside the copy the difference is the copy's K SMs
-      (`activity_comm`) and its HBM traffic — what an exposed collective draws (docs/simulator.md,
-      "Exposed communication").
+    - `interference`: each NVML energy window (`op` alone, `op+copyK`, `copyK`) gives a time and an
+      average power target per iteration at the median SM clock read inside it (`device_window`
+      targets; the copy's time alone on K blocks comes from the matrix row of that copy). The
+      op-alone windows pin the op's own power; beside the copy the difference is the copy's K SMs
+      (`activity_comm`) and its HBM traffic, but the op outlasts the copy there, so the copy-alone
+      windows (`copyK`: op "", op_count 0) are the exposed phase proper — K SMs at `activity_comm`,
+      the copy's HBM traffic and every other SM idle at the working clock — what an exposed
+      collective draws (docs/simulator.md, "Exposed communication"). The spinner-alone windows
+      (`spinK`) are a note, not targets (`SPINNER_NOT_A_TARGET`).
 
     Every `holdout_every`-th measurement over all of them is held out (`assign_splits`). A section
     that did not run, or gave no usable window, is a note; when none of `sections` gives a target,
@@ -722,27 +740,32 @@ def _interference_targets(path: str | Path, data: Mapping[str, Any], result: Map
     limit_w = _device_power_limit(data, gpu)
     energy = result.get("energy") or {}
     reps = result.get("op_reps") or {}
-    copy_alone_s = {(row.get("op"), row.get("blocks")): row.get("background_s") for row in result.get("rows", [])
-                    if row.get("background") == "copy"}
+    rows = [row for row in result.get("rows", []) if row.get("background") == "copy"]
+    copy_alone_s = {(row.get("op"), row.get("blocks")): row.get("background_s") for row in rows}
+    for row in rows:  # the copy's time alone on K blocks is measured once per K (every op's row has it)
+        copy_alone_s.setdefault(("", row.get("blocks")), row.get("background_s"))
     targets: list[Target] = []
     skipped: list[str] = []
+    not_targets: list[str] = []
     for name, window in energy.items():
         if not isinstance(window, Mapping):
             continue  # per_iteration, truncated, error: text
-        op, _, background = name.partition("+")
+        op, blocks, predicted = _device_window_name(name)
+        if op is None:  # a spinner alone (or an unknown name): measured, but not the twin's to predict
+            (not_targets if predicted == "spin" else skipped).append(
+                name if predicted == "spin" else f"{name} (not a window the twin predicts)")
+            continue
         clocks = window.get("sm_clock_mhz_inside") or []
-        blocks = int(background.removeprefix("copy")) if background.startswith("copy") and \
-            background[4:].isdigit() else 0
         alone_s = copy_alone_s.get((op, blocks)) if blocks else 0.0
         power_w = window.get("power_w")
-        if op not in DEVICE_CHECK_OPS or (background and not blocks) or not reps.get(op):
+        if op and not reps.get(op):
             skipped.append(f"{name} (not a window the twin predicts)")
             continue
         if "error" in window or not clocks or not window.get("time_s") or not power_w or (blocks and not alone_s):
             skipped.append(f"{name} ({window.get('error') or 'no clock, time, power or copy time alone'})")
             continue
         clock = int(statistics.median(clocks))
-        count = int(reps[op]) * (DEVICE_CHECK_OP_WINDOWS_BESIDE_COPY if blocks else 1)
+        count = int(reps[op]) * (DEVICE_CHECK_OP_WINDOWS_BESIDE_COPY if blocks else 1) if op else 0
         base = {"gpu": gpu, "power_limit_w": limit_w, "work": "device_window", "op": op, "op_count": count,
                 "comm_sms": blocks, "copy_s": alone_s or 0.0, "clock_mhz": clock,
                 "source": f"device check {Path(path).name}: interference energy window {name}"}
@@ -752,13 +775,39 @@ def _interference_targets(path: str | Path, data: Mapping[str, Any], result: Map
         targets.append(make_target({**base, "name": f"{label} power", "probe": "avg_power_w", "value": power_w,
                                     "unit": "W"}, str(path)))
     why = None
-    if skipped or not targets:
+    if skipped or not_targets or not targets:
         why = (f"its interference section's energy windows: {len(targets) // 2} read"
                + (f", skipped {', '.join(skipped)}" if skipped else "")
+               + (f"; not a twin target: {', '.join(not_targets)} ({SPINNER_NOT_A_TARGET})" if not_targets else "")
                + ("" if energy else " (no energy windows)")
                + (f"; {energy['error']}" if isinstance(energy.get("error"), str) else "")
                + (f"; {energy['truncated']}" if isinstance(energy.get("truncated"), str) else ""))
     return targets, why
+
+
+# Why the interference section's spinner-alone windows (`spinK`) are measured but not fitted.
+SPINNER_NOT_A_TARGET = ("the spinner is an arithmetic-only loop on K blocks, and the twin has no kernel of that kind "
+                        "(its compute kernels run on all SMs or beside a collective, its memory kernels move bytes); "
+                        "spinK − P_static over K is what K SMs draw at the working clock, read by hand against "
+                        "copyK")
+
+
+def _device_window_name(name: str) -> tuple[str | None, int, str]:
+    """(op, K, kind) of an interference energy window's name: `op` (op alone, K 0), `op+copyK`,
+    `copyK` (op "": the copy alone); op None for what the twin does not predict (`spinK`: kind
+    "spin"; anything else: kind "")."""
+    op, plus, background = name.partition("+")
+    if not plus:
+        op, background = "", name
+        if name in DEVICE_CHECK_OPS:
+            return name, 0, ""
+    kind = background.rstrip("0123456789")
+    digits = background[len(kind):]
+    if not digits or int(digits) < 1 or (op and op not in DEVICE_CHECK_OPS):
+        return None, 0, ""
+    if kind == "copy":
+        return op, int(digits), kind
+    return None, int(digits), "spin" if kind == "spin" and not op else ""
 
 
 def _device_power_limit(data: Mapping[str, Any], gpu: str) -> float | None:
