@@ -118,11 +118,25 @@ def test_sequential_instruction_and_config_forms(sim) -> None:
         sim.instruction(stage, "sideways", 1200, None)
 
 
+def test_an_exposed_collective_alone_is_the_partitions_tail(sim) -> None:
+    """Alone on its SMs a collective is all exposed (then the partition's join), and draws static
+    power plus its own SMs' and traffic's: less than compute beside it."""
+    alone = sim.exposed(FWD_ATTN.comm, 1410, 8)
+    beside = sim.partition(FWD_ATTN, 1410, 8, "norm_0")
+    assert 0 < alone.time_s < beside.time_s
+    assert alone.exposed_comm_s + sim.params.partition_join_s == pytest.approx(alone.time_s, rel=1e-9)
+    assert sim.p_static_w < alone.energy_j / alone.time_s < beside.energy_j / beside.time_s
+
+
 def test_bad_arguments_name_what_is_allowed(sim) -> None:
     with pytest.raises(KareusError, match=r"outside A100-SXM4-40GB.s range 210\.\.1410"):
         sim.partition(FWD_ATTN, 1500, 6, "norm_0")
     with pytest.raises(KareusError, match=r"comm_sms must be an integer in 1\.\.107"):
         sim.partition(FWD_ATTN, 1200, 0, "norm_0")
+    with pytest.raises(KareusError, match=r"comm_sms must be an integer in 1\.\.107"):
+        sim.exposed(FWD_ATTN.comm, 1200, 108)
+    with pytest.raises(KareusError, match=r"outside A100-SXM4-40GB.s range 210\.\.1410"):
+        sim.exposed(FWD_ATTN.comm, 1500, 8)
     with pytest.raises(KareusError, match="unknown launch slot 'rope_7'"):
         sim.partition(FWD_ATTN, 1200, 6, "rope_7")
     with pytest.raises(KareusError, match="wobble_mhz"):

@@ -45,7 +45,6 @@ from kareus.sim.measurement import Measurement
 from kareus.sim.paramsfile import SimCalibration
 from kareus.sim.physics import FITTABLE, Physics
 from kareus.sim.simulator import Simulator
-from kareus.sim.timeline import partition_tally
 from kareus.workload.models import get_shape
 from kareus.workload.ops import BYTES_PER_ELEMENT, CommOp, ComputeOp, LayerDims, layer_sequential_forward
 from kareus.workload.partitions import PartitionType, Workload, build_workload, slot_names
@@ -641,12 +640,7 @@ def device_window_measurement(sim: Simulator, t: Target, clock_mhz: float) -> Me
         return sim.sequential(ops, clock_mhz)
     copy = local_copy(sim.physics, t.comm_sms, t.copy_s)
     if not ops:
-        # The Simulator's partition entry needs a launch slot, i.e. a compute op; the timeline
-        # itself plays an empty partition as its exposed tail alone, so it is measured directly.
-        sim.gpu.check_clock(clock_mhz)
-        if not 1 <= t.comm_sms < sim.gpu.sms:
-            raise KareusError(f"{t.name}: comm_sms must be in 1..{sim.gpu.sms - 1}, got {t.comm_sms}")
-        return sim._measure(lambda clock: partition_tally(sim.physics, (), copy, 0, t.comm_sms, clock), clock_mhz)
+        return sim.exposed(copy, clock_mhz, t.comm_sms)
     ptype = PartitionType(f"{t.op}+copy{t.comm_sms}", "forward", ops, copy, (slot_names(ops)[0],), (t.comm_sms,),
                           "small")
     return sim.partition(ptype, clock_mhz, t.comm_sms, ptype.launch_slots[0])

@@ -30,7 +30,7 @@ from kareus.sim.gpus import GPUSpec, get_gpu
 from kareus.sim.measurement import Measurement
 from kareus.sim.physics import Physics, SimParams
 from kareus.sim.timeline import Tally, host_bound, partition_tally, sequential_tally
-from kareus.workload.ops import Op
+from kareus.workload.ops import CommOp, Op
 from kareus.workload.partitions import PartitionConfig, PartitionType, StageWorkload
 
 Evaluate = Callable[[ClockPolicy], Tally]
@@ -78,6 +78,14 @@ class Simulator:
         start = ptype.slot_op_index(launch_slot)
         key = ("partition", ptype, clock_mhz, comm_sms, start)
         return self._cached(key, lambda: self._measure(self._partition_eval(ptype, start, comm_sms), clock_mhz))
+
+    def exposed(self, comm: CommOp, clock_mhz: float, comm_sms: int) -> Measurement:
+        """`comm` on `comm_sms` SMs with no compute beside it (the other SMs idle): an exposed
+        collective's phase alone, as the partition timeline plays a partition's tail."""
+        self._check_clock(clock_mhz)
+        if isinstance(comm_sms, bool) or not isinstance(comm_sms, Integral) or not 1 <= comm_sms < self.gpu.sms:
+            raise KareusError(f"comm_sms must be an integer in 1..{self.gpu.sms - 1}, got {comm_sms!r}")
+        return self._measure(lambda clock: partition_tally(self.physics, (), comm, 0, int(comm_sms), clock), clock_mhz)
 
     def sequential_partition(self, ptype: PartitionType, clock_mhz: float) -> Measurement:
         """The work of `ptype` executed Megatron-style: the whole microbatch's compute (both
