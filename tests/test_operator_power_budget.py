@@ -85,7 +85,8 @@ async def test_power_budget_allots_holds_and_reallocates(dev_cluster, tmp_path):
                     status = job.get("status") or {}
                     power = status.get("power") or {}
                     if power.get("frontierRow") != rows_wanted[name] or not status.get("trainingStartTime"):
-                        lag["why"] = f"{name}: status.power {power}, phase {status.get('phase')}"
+                        lag["why"] = (f"{name}: status.power {power}, phase {status.get('phase')}"
+                                      + (f" ({status['lastFailure']})" if status.get("lastFailure") else ""))
                         return False
                     if (row := await plan_row(kube, name)) != rows_wanted[name]:
                         lag["why"] = f"{name}: the plan ConfigMap's row {row}"

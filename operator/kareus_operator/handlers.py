@@ -129,14 +129,16 @@ class Controller:
             self.power.request()
             return
         old = job.get("status") or {}
-        if signature(old) != signature(outcome.status):
-            self.power.request()  # entered/left Planned or Training, finished, suspended, new objective
         if outcome.status != old:
             patch = {k: outcome.status.get(k) for k in set(old) | set(outcome.status)}
             written = await self.kube.merge_patch(path(API_VERSION, PLURAL, namespace, name, "status"),
                                                   {"status": patch})
             if written is not None:
                 self._written[key] = written["metadata"]["resourceVersion"]
+        if signature(old) != signature(outcome.status):
+            # Entered/left Planned or Training, finished, suspended, new objective. Asked after the
+            # write: a pass that listed the jobs before it landed would still count this one as it was.
+            self.power.request()
         self.metrics.observe(job["metadata"]["uid"], outcome.status["phase"])
         self.metrics.observe_status(job, outcome.status)
         for type_, reason, message in outcome.events:
