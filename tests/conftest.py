@@ -8,7 +8,10 @@ why — never a skip, so CI cannot pass without having run them.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +97,13 @@ def kueue(dev_cluster, tmp_path_factory):
 
     with DevKueue(tmp_path_factory.mktemp("kueue"), dev_cluster.control_plane) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def dc():
+    """`bench/device_check.py` loaded as the module `device_check` (it is a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("device_check", Path(__file__).resolve().parent.parent / "bench" / "device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = module
+    spec.loader.exec_module(module)
+    return module

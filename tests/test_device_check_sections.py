@@ -5,7 +5,6 @@ that runs a project module on its own."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,15 +17,6 @@ import pytest
 from tests.fakes import fake_pynvml
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "device_check.py"
-
-
-@pytest.fixture(scope="module")
-def dc():
-    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["device_check"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class FakeClock:
