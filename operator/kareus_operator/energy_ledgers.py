@@ -7,8 +7,10 @@ grants only the operator write access.
 
 It is written by the leader only, from three places:
 
-- a job's reconcile, when its measured energy changes (`record`: the job's counter is
-  `status.measured.energyJoules + redoneJoules`, which only grows within a run);
+- a job's reconcile, when its measured energy changes, once that status has been written (`record`:
+  the job's counter is `status.measured.energyJoules + redoneJoules`, which only grows within a
+  run). Never before the write: a resync in between would charge the stored, smaller counter after
+  the newer one, which reads as a restart and counts the stored energy twice;
 - the job's DELETED event, with the job's last status (`record(..., gone=True)` then drops its meter);
 - every resync (`sync`), which rolls periods over, writes each namespace's budget from the policy and
   drops the meters of jobs deleted while no operator was watching.

@@ -36,6 +36,7 @@ import kopf
 from kareus_operator import conditions as cond
 from kareus_operator.admission_check import EnergyAdmissionCheck
 from kareus_operator.clock_ceilings import CeilingPublisher
+from kareus_operator.energy_ledgers import job_energy_j
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
 from kareus_operator.power import PowerAllocator, signature
@@ -135,6 +136,8 @@ class Controller:
                                                   {"status": patch})
             if written is not None:
                 self._written[key] = written["metadata"]["resourceVersion"]
+                if job_energy_j(written) != job_energy_j(job):
+                    await self._record_energy(written)
         if signature(old) != signature(outcome.status):
             # Entered/left Planned or Training, finished, suspended, new objective. Asked after the
             # write: a pass that listed the jobs before it landed would still count this one as it was.
@@ -279,6 +282,14 @@ class Controller:
         self.power.request()  # its power goes to the others
         self._forget((body["metadata"]["namespace"], body["metadata"]["name"]))
 
+
+    async def _record_energy(self, written: Mapping[str, Any]) -> None:
+        """Charge what a job spent to its namespace's ledger, from the status just written."""
+        try:
+            await self.ledgers.record(written)
+        except Exception as error:  # the next resync charges it from the stored status
+            log.warning("ledger: %s/%s not recorded: %r", written["metadata"]["namespace"],
+                        written["metadata"]["name"], error)
 
     async def _record_deleted(self, body: Mapping[str, Any]) -> None:
         try:

@@ -42,7 +42,7 @@ from kareus_operator import conditions as cond
 from kareus_operator import manifests as mf
 from kareus_operator.admission_check import rejection
 from kareus_operator.conditions import Want
-from kareus_operator.energy_ledgers import EnergyLedgers, job_energy_j
+from kareus_operator.energy_ledgers import EnergyLedgers
 from kareus_operator.kube import ApiError, Kube, path
 from kareus_operator.metrics import OperatorMetrics
 from kareus_operator.progress import checkpoint_status, progress_fields
@@ -593,10 +593,9 @@ class Reconciler:
             measured["lastUpdateTime"] = iso(p.now)
         else:
             measured["lastUpdateTime"] = p.status["measured"].get("lastUpdateTime", iso(p.now))
-        old_j = job_energy_j({"status": p.status})
+        # The ledger is charged by the controller once this status has landed, never before: a
+        # resync charging the stored (older) counter after a newer one would read it as a restart.
         p.status["measured"] = measured
-        if job_energy_j({"status": p.status}) != old_j:
-            await self.ledgers.record({"metadata": p.meta, "status": p.status})
         over = _budget_overrun(spec, measured)
         if over is not None:
             p.want("BudgetExceeded", True, "EnergyBudgetExceeded", over)
