@@ -354,3 +354,31 @@ def test_the_endpoint_comes_from_the_flags_or_the_environment(monkeypatch):
     assert parser.parse_args(["train", "job.yaml"]).daemon_address == "10.0.0.5:9477"
     assert parser.parse_args(["profile", "job.yaml", "--out", "p.json"]).daemon_address == "10.0.0.5:9477"
     assert parser.parse_args(["train", "job.yaml", "--daemon-address", "h:1"]).daemon_address == "h:1"
+
+
+def test_a_clock_client_that_sends_nothing_still_hands_over_the_rotated_token(cluster, tcp_daemon, tmp_path, monkeypatch):
+    """A plan at one clock sends one lock, then nothing for hours: the client's keeper thread must
+    send the kubelet's rotated token anyway, or the daemon's re-review of the old one ends the
+    lease when it expires. Seen here without a single request after the lock: a token of another
+    pod, handed over by the keeper alone, is refused and ends the lease."""
+    import kareus.daemon_client.connection as connection_module
+
+    monkeypatch.setattr(connection_module, "TOKEN_RECHECK_S", 0.2)
+    pod, other = cluster.pod("train-0"), cluster.pod("other-0")
+    token_file = _write_token(tmp_path, cluster, pod)
+    clock = connect(f"tcp://{tcp_daemon.address}", job="llama", token_file=token_file)
+    try:
+        assert not clock.degraded, clock.degraded_reason
+        clock.request_clock(1200, instruction="s0.F0")
+        assert clock.flush()
+        wait_for(lambda: tcp_daemon.metric(GPU_LOCKED_CLOCK_HERTZ, gpu_uuid=GPU[0]) == 1.2e9)
+        Path(token_file).write_text(cluster.token(pod=pod))  # the kubelet's rotation: accepted, the lease stays
+        wait_for(lambda: clock.flush() and clock._connection._token == Path(token_file).read_text())
+        assert not clock.degraded, clock.degraded_reason
+        assert tcp_daemon.metric(GPU_LOCKED_CLOCK_HERTZ, gpu_uuid=GPU[0]) == 1.2e9
+        Path(token_file).write_text(cluster.token(pod=other))
+        wait_for(lambda: tcp_daemon.metric(GPU_LOCKED_CLOCK_HERTZ, gpu_uuid=GPU[0]) == 0)
+        wait_for(lambda: clock.degraded)
+        assert any("not this connection's pod" in error for error in clock.errors), list(clock.errors)
+    finally:
+        clock.close()

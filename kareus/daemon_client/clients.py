@@ -9,7 +9,8 @@ goes on at default clocks) and says why.
 - `NullClockClient`: no daemon; does nothing.
 - `RecordingClockClient`: keeps a log of what was asked and when (tests, dry runs).
 - `DaemonClockClient`: sends the requests over a `DaemonConnection` without waiting for the
-  answers; a reader thread collects the acknowledgements and any refusals.
+  answers; a reader thread collects the acknowledgements and any refusals, and over TCP a keeper
+  thread hands the daemon the kubelet's rotated token even while no request is sent.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kareus.daemon_client import connection as _connection
 from kareus.daemon_client.connection import DaemonConnection, DaemonError, power_limit_fields
 
 log = logging.getLogger("kareus.daemon_client")
@@ -177,6 +179,9 @@ class DaemonClockClient(ClockClient):
         self._closed = False
         self._reader = threading.Thread(target=self._read_acks, name="kareus-clock-acks", daemon=True)
         self._reader.start()
+        self._stopped = threading.Event()
+        if connection.token_file is not None:
+            threading.Thread(target=self._keep_token, name="kareus-clock-token", daemon=True).start()
 
     # -- the runtime's calls -------------------------------------------------------------------
     def request_clock(self, clock_mhz: int, *, instruction: str, stale_after_s: float | None = None) -> None:
@@ -207,6 +212,7 @@ class DaemonClockClient(ClockClient):
         self.reset()
         self.flush()
         self._closed = True
+        self._stopped.set()
         self._connection.close()  # the daemon resets whatever this connection still held
         self._reader.join(timeout=2.0)
 
@@ -238,12 +244,33 @@ class DaemonClockClient(ClockClient):
             # hand the daemon the current one before the old one stops validating.
             with self._acked:
                 self._outstanding += 1
-            if self._connection.refresh_token():
-                with self._acked:
-                    self._outstanding += 1  # the hello is answered like any request
+            self._refresh_token()
             self._connection.send(op, **fields)
         except DaemonError as error:
             self._degrade(str(error))
+
+    def _refresh_token(self) -> None:
+        """Send the token file's new content, if it changed (looked at every TOKEN_RECHECK_S)."""
+        with self._acked:
+            self._outstanding += 1  # the hello is answered like any request; counted before its answer
+        if not self._connection.refresh_token():
+            with self._acked:
+                self._outstanding = max(0, self._outstanding - 1)
+                self._acked.notify_all()
+
+    def _keep_token(self) -> None:
+        """A plan at one clock sends one lock, then nothing for hours; the daemon re-reviews the
+        session's token and ends the lease once it expires. So the rotated token goes out on its
+        own schedule too, not only before a request."""
+        while not self._stopped.wait(_connection.TOKEN_RECHECK_S):
+            if self._reason or self._closed:
+                return
+            try:
+                self._refresh_token()
+            except DaemonError as error:
+                if not self._closed:  # a close racing the look is no loss
+                    self._degrade(str(error))
+                return
 
     def _read_acks(self) -> None:
         while True:

@@ -202,6 +202,7 @@ class DaemonConnection:
             raise DaemonError(protocol.E_UNAVAILABLE, f"cannot connect to {self._shown()}: {what}") from None
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
+        self._token_lock = threading.Lock()  # the training thread and the clock client's keeper both look
         try:
             if address:  # the daemon answers nothing else before this
                 self.call("hello", job=job or "", token=self._token)
@@ -243,16 +244,17 @@ class DaemonConnection:
         the answer, so a connection outlives its first token. True when one was sent."""
         if self.token_file is None:
             return False
-        now = time.monotonic()
-        if not force and now - self._token_checked_at < TOKEN_RECHECK_S:
-            return False
-        self._token_checked_at = now
-        token = self._read_token()
-        if not token or token == self._token:
-            return False
-        self._token = token
-        self.send("hello", token=token)
-        return True
+        with self._token_lock:
+            now = time.monotonic()
+            if not force and now - self._token_checked_at < TOKEN_RECHECK_S:
+                return False
+            self._token_checked_at = now
+            token = self._read_token()
+            if not token or token == self._token:
+                return False
+            self._token = token
+            self.send("hello", token=token)
+            return True
 
     # -- framing -------------------------------------------------------------------------------
     def send(self, op: str, **fields: Any) -> int:
