@@ -66,6 +66,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                     "nodeSelector": {"pool": "train"}}},
     "pullSecrets": {"workers": {"imagePullSecrets": ["regcred", {"name": "mirror"}]}},
     "rendezvous": {"workers": {"rendezvousTimeoutSeconds": 1800}},
+    "nodeToken": {"workers": {"nodeTokenExpirationSeconds": 900}},
     "noWorkerServiceAccount": {"workers": {"createServiceAccount": False}},
     "ownServiceAccounts": {"operator": {"serviceAccount": {"create": False, "name": "ops"}},
                            "nodeAgent": {"serviceAccount": {"create": False, "name": "agent"}}},
@@ -196,6 +197,7 @@ def test_default_render_has_the_expected_objects(objects):
         ({"workers": {"imagePullSecrets": [{"secret": "regcred"}]}}, "imagePullSecrets"),
         ({"workers": {"rendezvousTimeoutSeconds": 0}}, "rendezvousTimeoutSeconds"),
         ({"workers": {"rendezvousTimeoutSeconds": "10m"}}, "rendezvousTimeoutSeconds"),
+        ({"workers": {"nodeTokenExpirationSeconds": 300}}, "nodeTokenExpirationSeconds"),
     ],
 )
 def test_values_typo_fails_via_the_schema(chart, values, field):
@@ -591,6 +593,7 @@ WORKERS = {(kind, ns, "kareus-worker") for ns in ("team-a", "team-b")
         ("pullSecrets", set(), set(), keys(("Deployment", NAMESPACE, "kareus-operator"),
                                            ("ServiceAccount", "default", "kareus-worker"))),
         ("rendezvous", set(), set(), keys(("Deployment", NAMESPACE, "kareus-operator"))),
+        ("nodeToken", set(), set(), keys(("Deployment", NAMESPACE, "kareus-operator"))),
         ("noWorkerServiceAccount", set(), keys(("ServiceAccount", "default", "kareus-worker")), set()),
     ],
 )
@@ -783,6 +786,20 @@ def test_the_rendezvous_timeout_reaches_the_training_pods(objects):
         env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
         assert env["KAREUS_RENDEZVOUS_TIMEOUT_S"] == seconds  # `kareus train`'s own rendezvous
         assert env["PET_RDZV_CONF"] == f"timeout={seconds},join_timeout={seconds}"  # torchrun's
+
+
+def test_the_node_token_lifetime_reaches_the_gpu_pods_projected_token(objects):
+    manifests = pytest.importorskip("kareus_operator.manifests")
+    job = quickstart_job()
+    spec = parse_job(job).spec
+    for name, seconds in (("default", 3600), ("nodeToken", 900)):
+        settings = operator_settings(objects[name])
+        assert settings.node_token_expiration_s == seconds
+        for pod_job in (manifests.train_job(job, spec, settings), manifests.profile_job(job, spec, settings, "key")):
+            volumes = {v["name"]: v for v in pod_job["spec"]["template"]["spec"]["volumes"]}
+            [source] = volumes["node-token"]["projected"]["sources"]
+            assert source["serviceAccountToken"] == {"audience": "kareus-node", "expirationSeconds": seconds,
+                                                     "path": "token"}
 
 
 def test_node_agent_flags_and_config_are_what_the_daemon_reads(objects, tmp_path):

@@ -348,3 +348,12 @@ def test_every_pod_has_a_read_only_root_and_gpu_pods_memory_that_holds_their_shm
         Settings.from_env({"KAREUS_OPERATOR_GPU_POD_MEMORY_REQUEST": "65Gi"})
     with pytest.raises(KareusError, match="SHM_SIZE: must be a positive memory quantity"):
         Settings.from_env({"KAREUS_OPERATOR_SHM_SIZE": "lots"})
+
+
+def test_a_node_token_shorter_than_the_api_servers_floor_is_one_clear_error():
+    assert Settings.from_env({"KAREUS_OPERATOR_NODE_TOKEN_EXPIRATION_S": "600"}).node_token_expiration_s == 600
+    with pytest.raises(KareusError, match=r"^KAREUS_OPERATOR_NODE_TOKEN_EXPIRATION_S: must be at least 600 \(the API "
+                                          r"server's shortest projected token\), got 300$"):
+        Settings.from_env({"KAREUS_OPERATOR_NODE_TOKEN_EXPIRATION_S": "300"})
+    with pytest.raises(KareusError, match="NODE_TOKEN_EXPIRATION_S: must be an integer >= 1, got '1h'"):
+        Settings.from_env({"KAREUS_OPERATOR_NODE_TOKEN_EXPIRATION_S": "1h"})

@@ -256,7 +256,8 @@ def _pod_template(job: Mapping[str, Any], spec: JobSpec, role: str, image: str, 
     if gpus:
         all_volumes += [("dshm", {"emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}}, "/dev/shm"),
                         ("node-token", {"projected": {"sources": [{"serviceAccountToken": {
-                            "audience": DAEMON_TOKEN_AUDIENCE, "expirationSeconds": 3600, "path": "token"}}]}},
+                            "audience": DAEMON_TOKEN_AUDIENCE, "expirationSeconds": settings.node_token_expiration_s,
+                            "path": "token"}}]}},
                          DAEMON_TOKEN_DIR)]
         pod_env += [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
                     {"name": "KAREUS_DAEMON_ADDRESS", "value": f"$(HOST_IP):{settings.node_daemon_port}"},

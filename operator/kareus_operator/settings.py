@@ -91,6 +91,10 @@ class Settings:
     # How long a training pod waits for every node of its job at the rendezvous: `kareus train` reads
     # KAREUS_RENDEZVOUS_TIMEOUT_S, torchrun PET_RDZV_CONF (timeout=, join_timeout=).
     rendezvous_timeout_s: float = 600.0
+    # The lifetime of the GPU pods' node-agent token (a projected ServiceAccount token, audience
+    # kareus-node): the kubelet rotates it at 80 % of this, the clock client hands the daemon the new
+    # one. The API server refuses less than 600 s.
+    node_token_expiration_s: int = 3600
     # A safety net only: children's and the job's own watch events drive reconciles, and backoff,
     # deadline and TTL wake-ups are timed precisely; a running job costs ~4 requests per pass.
     resync_s: float = 120.0
@@ -120,7 +124,11 @@ class Settings:
         return settings
 
     def check(self) -> None:
-        """Cross-field rules: the GPU pods' memory holds their /dev/shm; names the API server accepts."""
+        """Cross-field rules: the GPU pods' memory holds their /dev/shm; names and token lifetimes
+        the API server accepts."""
+        if self.node_token_expiration_s < MIN_TOKEN_EXPIRATION_S:
+            raise KareusError(f"KAREUS_OPERATOR_NODE_TOKEN_EXPIRATION_S: must be at least {MIN_TOKEN_EXPIRATION_S} "
+                              f"(the API server's shortest projected token), got {self.node_token_expiration_s}")
         for name, pattern, what in (("clock_ceilings_namespace", _DNS_LABEL, "a namespace name (RFC 1123 label)"),
                                     ("clock_ceilings_configmap", _DNS_SUBDOMAIN, "a ConfigMap name (RFC 1123 subdomain)")):
             value = getattr(self, name)
@@ -142,6 +150,7 @@ class Settings:
                               f"({self.optimize_pod_memory_limit}), got {self.optimize_pod_memory_request}")
 
 
+MIN_TOKEN_EXPIRATION_S = 600  # the TokenRequest API's floor for expirationSeconds
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _MEMORY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")

@@ -272,6 +272,8 @@ kareus.dev/job-name
   value: {{ include "kareus.workers.imagePullSecretNames" . | quote }}
 - name: KAREUS_OPERATOR_RENDEZVOUS_TIMEOUT_S
   value: {{ .Values.workers.rendezvousTimeoutSeconds | quote }}
+- name: KAREUS_OPERATOR_NODE_TOKEN_EXPIRATION_S
+  value: {{ .Values.workers.nodeTokenExpirationSeconds | quote }}
 - name: KAREUS_OPERATOR_SHM_SIZE
   value: {{ .Values.workers.gpuPods.shmSize | quote }}
 - name: KAREUS_OPERATOR_GPU_POD_MEMORY_REQUEST
