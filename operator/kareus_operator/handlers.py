@@ -282,7 +282,6 @@ class Controller:
         self.power.request()  # its power goes to the others
         self._forget((body["metadata"]["namespace"], body["metadata"]["name"]))
 
-
     async def _record_energy(self, written: Mapping[str, Any]) -> None:
         """Charge what a job spent to its namespace's ledger, from the status just written."""
         try:
