@@ -318,8 +318,9 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                 running.reselect(ctx, decision, executor, outputs, (tp, cp))
                 decisions.append(decision)
             if stopping.stop_now(distributed=ctx.distributed):
-                print(f"rank {ctx.rank}: stopping after step {step} of {config.steps} (SIGTERM)", file=sys.stderr,
-                      flush=True)
+                # One write with its newline: the ranks share the pod's stderr, and print's two writes interleave.
+                sys.stderr.write(f"rank {ctx.rank}: stopping after step {step} of {config.steps} (SIGTERM)\n")
+                sys.stderr.flush()
                 stopped_early = step + 1 < config.steps
                 if checkpointer and stopped_early:  # within the pod's grace period: the work so far is kept
                     save(step + 1, "sigterm")
