@@ -124,6 +124,14 @@ def _requests(quantities: dict):
     return lambda manifest: manifest["spec"]["training"].update(resources={"requests": quantities})
 
 
+def _inherited_proxy_sequence(manifest: dict) -> None:
+    """Found by hypothesis: a proxy without its own sequenceLength takes the job's; when that breaks the
+    context-parallel rule, both sides name spec.sequenceLength alone."""
+    manifest["spec"]["sequenceLength"] = 66
+    manifest["spec"]["parallelism"].update(tensor=2, context=2)
+    del manifest["spec"]["training"]["cpuProxy"]["sequenceLength"]
+
+
 # Where the real server first disagreed with kareus.spec (each now settled on one side or the other).
 EDGES = {
     "null-unknown-field": lambda manifest: manifest["spec"].update(extra=None),
@@ -142,6 +150,7 @@ EDGES = {
     "label-value": lambda manifest: manifest["metadata"].update(labels={"app": "two words"}),
     "label-null-value": lambda manifest: manifest["metadata"].update(labels={"app": None}),
     "annotation-key-case": lambda manifest: manifest["metadata"].update(annotations={"Example.com/Note": "x"}),
+    "proxy-inherits-an-indivisible-sequence": _inherited_proxy_sequence,
 }
 
 
