@@ -241,12 +241,23 @@ def test_cluster_dns_and_services_route_over_the_pod_network(core, namespace, ku
     core.create_namespaced_service(namespace, {"metadata": {"name": "web"}, "spec": {
         "selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8000}]}})
     running(core, namespace, "web")
+    # The endpoints controller lists the ready pod, then kube-proxy programs the rule on its next sync
+    # (seconds on a loaded node): a client of a freshly made Service retries until then, as here.
+    wait_until(lambda: read_or_none(lambda: core.read_namespaced_endpoints("web", namespace)),
+               lambda body: body is not None and bool(body.subsets) and bool(body.subsets[0].addresses),
+               timeout_s=60, what="the web Service's ready endpoint")
     kubernetes_ip = core.read_namespaced_service("kubernetes", "default").spec.cluster_ip
     web_ip = core.read_namespaced_service("web", namespace).spec.cluster_ip
-    client_program = ("import socket, sys, urllib.request\n"
+    client_program = ("import socket, time, urllib.request\n"
                       "print(socket.gethostbyname('kubernetes.default.svc.cluster.local'))\n"
                       f"print(socket.gethostbyname('web.{namespace}.svc.cluster.local'))\n"
-                      "print(urllib.request.urlopen('http://web', timeout=10).read().decode())\n")
+                      "for attempt in range(30):\n"
+                      "    try:\n"
+                      "        body = urllib.request.urlopen('http://web', timeout=10).read().decode(); break\n"
+                      "    except OSError:\n"
+                      "        if attempt == 29: raise\n"
+                      "        time.sleep(1)\n"
+                      "print(body)\n")
     core.create_namespaced_pod(namespace, pod("asker", [PY, "-c", client_program]))
     done = wait_pod(core, namespace, "asker", phase_in("Succeeded", "Failed"))
     log = core.read_namespaced_pod_log("asker", namespace).split()
