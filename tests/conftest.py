@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +22,23 @@ _namespaces = itertools.count()
 # ~13 min of real time (the shortest projected token lives 600 s): `make test-token-rotation` only, so
 # that `make test` neither waits for it nor reports it skipped.
 collect_ignore = [] if os.environ.get("KAREUS_TOKEN_ROTATION") == "1" else ["test_token_rotation.py"]
+
+
+# Modules that start Kubernetes components without the fixtures below (`kareus dev-cluster` as a user runs it).
+_CLUSTER_SOURCE = re.compile(r"kareus_devcluster|dev-cluster")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs two workers) every module that uses the control plane goes to
+    one worker as one group: the session's control plane and dev cluster start once and its tests run in
+    order, while the other worker takes the CPU-bound modules. Without xdist the markers do nothing."""
+    cluster_modules = {item.module for item in items if "control_plane" in getattr(item, "fixturenames", ())}
+    cluster_modules |= {module for module in {item.module for item in items}
+                        if _CLUSTER_SOURCE.search(Path(module.__file__).read_text())}
+    for item in items:
+        # Every other module stays whole on one worker too, so its module-scoped fixtures are made once.
+        group = "cluster" if item.module in cluster_modules else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session):
