@@ -9,7 +9,7 @@ ConfigMap (key `policy.yaml`) that the operator reads with `load_policy`. The po
   team cannot trade the cluster's throughput for its own energy bill without limit;
 - the SM clock floor and ceiling per GPU model (a default plus overrides keyed by the node-label
   spelling, e.g. `NVIDIA-A100-SXM4-40GB`): plans stay inside them, the node daemon refuses
-  anything outside;
+  anything outside; a model without a floor gets `DEFAULT_FLOOR_FRACTION` of its top clock;
 - per-namespace energy budgets in kilowatt-hours, for the lifetime or per UTC month, week or day
   (`{kwh, period}`), counted in the operator's ledger (`kareus.energy_ledger`);
 - whether profiles may be reused across jobs with the same profile key;
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +64,21 @@ class PolicyError(KareusError):
     """The cluster policy document is malformed; the message names the field."""
 
 
+# The floor of a GPU model the policy sets no floor for, as a share of its top SM clock. It bounds
+# what a stolen or replayed node-agent token can do to a pod's GPU (slow it by at most 1/0.6 ≈ 1.67×)
+# and costs the method nothing: below ~900 of the A100's 1410 MHz energy no longer drops (paper,
+# Appendix C), so the profiler's grid stops at 900/1410 of the top clock, less half a 30 MHz step
+# (`kareus.profiler.profile.clock_grid`: 885 MHz on an A100, 1260 MHz on an H100/H200), above this
+# floor (846 and 1188 MHz) on every GPU whose top clock is at least 392 MHz; the optimizer and the runtime
+# use only profiled clocks. `clock_grid` also never goes below it.
+DEFAULT_FLOOR_FRACTION = 0.6
+
+
+def default_floor_mhz(top_mhz: float, fraction: float = DEFAULT_FLOOR_FRACTION) -> int:
+    """The default floor of a GPU whose top clock is `top_mhz` (0 with `fraction` 0: none)."""
+    return math.ceil(fraction * top_mhz)
+
+
 @dataclass(frozen=True)
 class ClockBounds:
     """SM clock limits in MHz; None on a side means that side is not limited."""
@@ -89,6 +104,15 @@ class ClockBounds:
             self.floor_mhz if self.floor_mhz is not None else base.floor_mhz,
             self.ceiling_mhz if self.ceiling_mhz is not None else base.ceiling_mhz,
         )
+
+    def range_mhz(self, supported_mhz: Collection[int], *,
+                  default_floor_fraction: float = DEFAULT_FLOOR_FRACTION) -> tuple[int, int]:
+        """The lowest and highest clock a GPU that supports `supported_mhz` may be locked at: these
+        bounds within what it supports, and without a floor `default_floor_fraction` of its top
+        clock (`default_floor_mhz`) as the floor."""
+        top = max(supported_mhz)
+        floor = self.floor_mhz if self.floor_mhz is not None else default_floor_mhz(top, default_floor_fraction)
+        return max(min(supported_mhz), floor), min(top, self.ceiling_mhz or top)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from kareus_node.pods import PodDirectory
 from test_daemon_support import wait_for
 
 from kareus.daemon_client import DaemonConnection, DaemonError, open_connection
+from kareus.policy import DEFAULT_FLOOR_FRACTION, default_floor_mhz
 
 _SPEC = importlib.util.spec_from_file_location("daemon_abuse", Path(__file__).resolve().parent.parent / "bench" / "daemon_abuse.py")
 abuse = importlib.util.module_from_spec(_SPEC)
@@ -287,6 +288,60 @@ def test_without_a_policy_floor_the_default_floor_bounds_what_a_token_can_do(nod
     sock.close()
     with pytest.raises(ConfigError, match="defaultFloorFraction: must be a share of the top clock"):
         parse_config({"defaultFloorFraction": 1.5})
+
+
+def test_the_default_floor_is_on_and_a_replayed_token_cannot_lock_below_it(node):
+    """No config key: kareus.policy.DEFAULT_FLOOR_FRACTION (0.6) of the A100's 1410 MHz, 846 MHz."""
+    assert parse_config({}).default_floor_fraction == DEFAULT_FLOOR_FRACTION == 0.6
+    assert parse_config({"defaultFloorFraction": 0}).default_floor_fraction == 0  # a platform may turn it off
+    stolen = node.api.token(node.train)
+    sock = node.session(node.train, token=stolen)  # a replay that also has the pod's address
+    gpu = next(g for g in _request(sock, "discover")["gpus"] if g["uuid"] == node.gpus[0])
+    assert (gpu["min_clock_mhz"], gpu["max_clock_mhz"]) == (846, 1410)
+    for clock_mhz in (210, 840):
+        reply = _request(sock, "lock", gpus=[node.gpus[0]], clock_mhz=clock_mhz)
+        assert reply["error"]["code"] == "refused", reply
+        assert f"clock_mhz: {clock_mhz} MHz is outside the policy bounds 846–1410 MHz" in reply["error"]["message"]
+    reply = _request(sock, "schedule", gpus=[node.gpus[0]], clocks_mhz=[1410, 840])
+    assert reply["error"]["code"] == "refused" and "846–1410 MHz" in reply["error"]["message"], reply
+    assert node.daemon.gpus[0].locked_clock_mhz() is None
+    assert _request(sock, "lock", gpus=[node.gpus[0]], clock_mhz=885)["ok"]  # the profiler's lowest A100 clock
+    sock.close()
+
+
+@pytest.mark.parametrize("gpu", ["A100-SXM4-40GB", "H100-SXM", "H200"])
+def test_the_profilers_clock_grid_stays_above_the_default_floor(gpu):
+    """What the method asks for never meets the default floor: the grid is the same with it."""
+    from kareus.profiler.profile import clock_grid
+    from kareus.sim.gpus import get_gpu
+
+    supported = tuple(int(c) for c in get_gpu(gpu).supported_clocks_mhz)
+    grid = clock_grid(supported)
+    assert grid == clock_grid(supported, floor_mhz=0)  # the floor cuts nothing off
+    assert min(grid) >= default_floor_mhz(max(supported))
+    # A floor above the grid's low end cuts it there, never below.
+    assert min(clock_grid(supported, floor_mhz=grid[2])) == grid[2]
+
+
+@pytest.mark.parametrize("node", [{}, {"clockBounds": {"default": {"floorMHz": 1005}}}], indirect=True)
+def test_profiling_through_the_daemon_profiles_only_clocks_it_may_lock(node, tmp_path, monkeypatch):
+    """A profiling pod under the default floor, or under a higher policy floor, still profiles:
+    it asks only for the clocks the daemon reports it may lock."""
+    from operator_fakes import QUICKSTART
+
+    from kareus.profiler.backends import SimBackend
+    from kareus.profiler.profile import profile_job
+    from kareus.spec import load_job
+
+    pod = node.api.add_pod(FakePod("team-a", "tiny-profile-abcde", abuse.pod_uid(5), "127.0.0.1", [node.gpus[3]]))
+    token_file = tmp_path / "token"
+    token_file.write_text(node.api.token(pod))
+    monkeypatch.setenv("KAREUS_DAEMON_TOKEN_FILE", str(token_file))
+    floor_mhz = node.daemon.config.policy.default_clock_bounds.floor_mhz or 846
+    doc = profile_job(load_job(QUICKSTART), backend=SimBackend("A100-SXM4-40GB"), daemon_endpoint=node.daemon.tcp)
+    assert doc.clocks_mhz[0] == 1410 and min(doc.clocks_mhz) >= floor_mhz
+    assert min(doc.clocks_mhz) == (900 if floor_mhz == 846 else 1005)  # the grid, cut at a higher floor
+    assert node.daemon.gpus[3].locked_clock_mhz() is None  # reset when profiling ended
 
 
 # ---------------------------------------------------------------- item 10: ownership of reads, job labels

@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "kareus.job": {"kareus.errors", "kareus.workload"},
     "kareus.plan": {"kareus.errors", "kareus.workload", "kareus.job", "kareus.objective", "kareus.compressed"},
     "kareus.profiler": BASE | {"kareus.workload", "kareus.spec", "kareus.sim", "kareus.gpu", "kareus.job",
-                               "kareus.search", "kareus.daemon_client"},
+                               "kareus.search", "kareus.daemon_client", "kareus.policy"},
     "kareus.optimizer": BASE | {"kareus.workload", "kareus.spec", "kareus.sim", "kareus.job", "kareus.objective",
                                 "kareus.search", "kareus.plan", "kareus.profiler"},
     "kareus.report": BASE | {"kareus.plan", "kareus.job"},

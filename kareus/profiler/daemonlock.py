@@ -6,7 +6,8 @@ backend, locks the pod's own GPUs (those the daemon says it may control) at each
 clock before the wrapped backend measures, and resets them when profiling ends — and the daemon
 resets them anyway when the connection drops, so a killed pod leaves no clock locked. The wrapped
 backend only measures: an `NvmlBackend` built with `lock_clocks=False` reads the energy counters
-(which needs no privilege) while the daemon holds the clock.
+(which needs no privilege) while the daemon holds the clock. Only clocks within the bounds the
+daemon reports (its policy floor and ceiling) are profiled.
 """
 
 from __future__ import annotations
@@ -33,15 +34,25 @@ class DaemonLocked(ProfilerBackend):
         except (DaemonError, OSError) as error:
             raise KareusError(f"the node daemon at {endpoint} cannot lock clocks for profiling: {error}",
                               exit_code=EXIT_CONFIG) from None
-        self.gpu_uuids = [gpu.uuid for gpu in gpus if gpu.controllable]
+        mine = [gpu for gpu in gpus if gpu.controllable]
+        self.gpu_uuids = [gpu.uuid for gpu in mine]
         if not self.gpu_uuids:
             reasons = "; ".join(sorted({gpu.reason for gpu in gpus if gpu.reason})) or "it reports no GPU"
             raise KareusError(f"the node daemon lets this pod lock no GPU ({reasons})", exit_code=EXIT_CONFIG)
+        # The clocks the daemon lets this pod lock on all of its GPUs: its policy floor and ceiling.
+        self.range_mhz = (max(gpu.min_clock_mhz for gpu in mine), min(gpu.max_clock_mhz for gpu in mine))
         self.locked_mhz: int | None = None
         self.locks = 0  # clock changes requested, for the profile's record and the tests
 
     def supported_clocks_mhz(self) -> tuple[int, ...]:
-        return self.backend.supported_clocks_mhz()
+        """The wrapped backend's clocks within the daemon's bounds, so the profile (and every plan
+        made from it) holds only clocks the daemon locks (a floor or ceiling refuses the others)."""
+        low, high = self.range_mhz
+        clocks = tuple(clock for clock in self.backend.supported_clocks_mhz() if low <= clock <= high)
+        if not clocks:
+            raise KareusError(f"the node daemon allows {low}–{high} MHz, where the GPU supports no SM clock",
+                              exit_code=EXIT_CONFIG)
+        return clocks
 
     def _lock(self, clock_mhz: int) -> None:
         if clock_mhz == self.locked_mhz:

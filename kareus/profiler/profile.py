@@ -19,6 +19,7 @@ from typing import Any
 from kareus import __version__
 from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.job import describe_job
+from kareus.policy import default_floor_mhz
 from kareus.profiler.backends import WORK_KINDS, ProfilerBackend, SimBackend
 from kareus.profiler.document import (
     DIRECTIONS,
@@ -52,20 +53,25 @@ class ProfileProgress:
 
 
 def clock_grid(supported_mhz: tuple[int, ...], *, step_mhz: int = CLOCK_STEP_MHZ,
-               floor_ratio: float = CLOCK_FLOOR_RATIO) -> tuple[int, ...]:
+               floor_ratio: float = CLOCK_FLOOR_RATIO, floor_mhz: int | None = None) -> tuple[int, ...]:
     """Clocks to profile, fastest first: from the maximum down to `floor_ratio` × maximum,
-    `step_mhz` apart, each the supported clock nearest to its target."""
+    `step_mhz` apart, each the supported clock nearest to its target; never below `floor_mhz`
+    (None: the policy's default floor, `kareus.policy.default_floor_mhz`, which the node agent
+    enforces where the policy sets no floor — so a plan never asks for a clock it would refuse)."""
     if not supported_mhz:
         raise KareusError("the GPU reports no supported SM clocks")
     top = max(supported_mhz)
     floor = floor_ratio * top
+    hard_floor = default_floor_mhz(top) if floor_mhz is None else floor_mhz
     grid: list[int] = []
     target = float(top)
     while target >= floor - step_mhz / 2:
         nearest = min(supported_mhz, key=lambda clock: abs(clock - target))
-        if nearest >= floor - step_mhz / 2 and nearest not in grid:
+        if nearest >= max(floor - step_mhz / 2, hard_floor) and nearest not in grid:
             grid.append(int(nearest))
         target -= step_mhz
+    if not grid:
+        raise KareusError(f"no supported SM clock from {top} MHz down to the {hard_floor} MHz floor to profile")
     return tuple(grid)
 
 

@@ -17,13 +17,15 @@ The file is YAML; every key is optional and an unknown key is an error naming it
     maxPendingPerPeer: 16         # of those, from one IP address (a pod's ranks all connect at once)
     helloRatePerSecond: 10        # hellos one IP may send per second (burst: twice that)
     idleTimeoutSeconds: 120       # a session without leases that sends nothing this long is closed
-    defaultFloorFraction: 0       # without a policy floor for a model: the floor is this share of its top clock (0: none)
+    defaultFloorFraction: 0.6     # without a policy floor for a model: the floor is this share of its top clock (0: none)
     requestTimeoutSeconds: 5      # a frame must arrive completely within this
     maxScheduleLength: 4096       # entries in one uploaded clock schedule
     metricsMaxConnections: 16     # concurrent connections to the metrics/health HTTP server
 
 `clockBounds` and `allowedNamespaces` are parsed by `kareus.policy`, so the operator (which keeps
-plans inside the same bounds) and the daemon (which refuses anything outside) cannot disagree.
+plans inside the same bounds) and the daemon (which refuses anything outside) cannot disagree. The
+default floor is `kareus.policy.DEFAULT_FLOOR_FRACTION`, which the profiler's clock grid never goes
+below (and a profiling pod profiles only the clocks its node agent says it may lock).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 import yaml
 
 from kareus.errors import KareusError
-from kareus.policy import ClusterPolicy, PolicyError, load_policy
+from kareus.policy import DEFAULT_FLOOR_FRACTION, ClusterPolicy, PolicyError, load_policy
 
 _POLICY_KEYS = ("clockBounds", "allowedNamespaces")
 _LIMIT_KEYS = {
@@ -75,7 +77,7 @@ class NodeConfig:
     max_pending_per_peer: int = 16
     hello_rate_per_s: float = 10.0
     idle_timeout_s: float = 120.0
-    default_floor_fraction: float = 0.0
+    default_floor_fraction: float = DEFAULT_FLOOR_FRACTION
     request_timeout_s: float = 5.0
     max_schedule_length: int = 4096
     metrics_max_connections: int = 16
@@ -120,7 +122,7 @@ def parse_config(raw: Any, *, source: str = "config") -> NodeConfig:
     except PolicyError as error:
         raise ConfigError(f"{source}: {error}") from None
     limits = {attr: _positive(raw[key], kind, f"{source}: {key}") for key, (attr, kind) in _LIMIT_KEYS.items() if key in raw}
-    fraction = raw.get("defaultFloorFraction", 0.0)
+    fraction = raw.get("defaultFloorFraction", DEFAULT_FLOOR_FRACTION)
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction <= 1:
         raise ConfigError(f"{source}: defaultFloorFraction: must be a share of the top clock from 0 (no floor) "
                           f"to 1, got {fraction!r}")

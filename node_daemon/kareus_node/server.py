@@ -780,9 +780,5 @@ def _effective_bounds(gpu: Any, config: NodeConfig) -> tuple[int, int]:
     """Policy bounds for the GPU's model, intersected with the clocks it supports. Without a policy
     floor, `default_floor_fraction` of the top clock is the floor: it bounds what a stolen token
     can do to its pod's GPU (slow it by at most that factor)."""
-    supported = gpu.supported_sm_clocks_mhz()
     bounds: ClockBounds = config.policy.clock_bounds_for(gpu.name)
-    default_floor = math.ceil(config.default_floor_fraction * max(supported))
-    low = max(min(supported), bounds.floor_mhz if bounds.floor_mhz is not None else default_floor)
-    high = min(max(supported), bounds.ceiling_mhz or max(supported))
-    return low, high
+    return bounds.range_mhz(gpu.supported_sm_clocks_mhz(), default_floor_fraction=config.default_floor_fraction)
