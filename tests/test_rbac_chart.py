@@ -151,7 +151,11 @@ def test_a_worker_writes_only_its_own_jobs_configmaps(dev_cluster, kube_client, 
     b_profile = token_client(dev_cluster, core, ns, worker_pod(core, ns, "b-profile-q9z4m"))
     unbound = token_client(dev_cluster, core, ns, None)
 
-    a_train.patch_namespaced_config_map("a-plan", ns, {"data": {"v": "1"}})  # its own job's: fine
+    a_train.create_namespaced_config_map(ns, {"metadata": {  # its own job's, the one its role fills: fine
+        "name": "a-progress", "labels": {"kareus.dev/job-name": "a"}}, "data": {"v": "1"}})
+    # Not its own job's plan: the power budget's frontier and clock ceilings come from it (issue 29 item 6).
+    assert "may write only the ConfigMap its role fills" in refused(
+        lambda: a_train.patch_namespaced_config_map("a-plan", ns, {"data": {"v": "1"}}))
     b_profile.create_namespaced_config_map(ns, {"metadata": {  # a profiling pod publishes its measurement
         "name": "b-profile", "labels": {"kareus.dev/job-name": "b"}}, "data": {"profile.json": "{}"}})
     message = refused(lambda: a_train.patch_namespaced_config_map("b-plan", ns, {"data": {"v": "x"}}))
