@@ -18,11 +18,16 @@ may never set). The policy's key `podTemplateOverrides` says
 
 Annotations that switch off AppArmor or seccomp, which Pod Security `baseline` already refuses,
 are refused always: no policy key admits them, as no override field admits privilege, host
-namespaces or added capabilities.
+namespaces or added capabilities. So is a volume mount, in the profiling and optimizing pods, at
+or above a directory that holds their code or their inputs and outputs (`OPERATOR_ROLE_PATHS`: the
+image's system and Python directories, `/etc/kareus`, `/var/kareus`): a configMap mounted over the
+optimizer's code, or a forged profile over the one the operator mounts, would make the plan that
+the power allocator and the node agents' clock ceilings trust the tenant's own (issue 29 item 6).
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +42,13 @@ DENIED_ENV_NAMES: tuple[str, ...] = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"
                                      "NCCL_NET_PLUGIN", "TORCHINDUCTOR_CACHE_DIR")
 DENIED_ENV_PREFIXES: tuple[str, ...] = ("LD_", "KAREUS_")
 TOLERATE_ALL = "*"
+# The roles whose pods run the operator's image and command (`kareus profile`, `kareus optimize`).
+OPERATOR_ROLES: tuple[str, ...] = ("profile", "optimize")
+# Where those pods' code, libraries and the operator's mounts live (images/runtime.Dockerfile: the venv
+# in /opt/kareus, the working directory /workspace; kareus_operator.settings.MOUNT_*); an override may
+# not mount at, under or above any of them in those roles.
+OPERATOR_ROLE_PATHS: tuple[str, ...] = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/etc",
+                                        "/opt", "/proc", "/sys", "/dev", "/var/kareus", "/workspace")
 _KEYS = frozenset({"volumeTypes", "priorityClassNames", "tolerationKeys", "deniedEnvNames", "deniedEnvPrefixes"})
 _APPARMOR_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
 _SECCOMP_ANNOTATIONS = ("seccomp.security.alpha.kubernetes.io/pod",)
@@ -129,6 +141,15 @@ def _check_one(policy: OverridePolicy, override: Any, at: str) -> Iterator[Overr
             yield OverrideRefusal(f"{at}.spec.env[{i}].name", rule,
                                   f"{env.name} may not be set by an override: it changes the code or the node-agent "
                                   f"connection of the operator's own commands")
+    roles = [role for role in OPERATOR_ROLES if role in override.roles]
+    for i, mount in enumerate(override.volume_mounts if roles else ()):
+        path = str(mount.get("mountPath") or "")
+        hit = next((guarded for guarded in OPERATOR_ROLE_PATHS if _overlaps(path, guarded)), None)
+        if hit is not None:
+            yield OverrideRefusal(f"{at}.spec.volumeMounts[{i}].mountPath", "none",
+                                  f"{path!r} covers {hit}: the {' and '.join(roles)} pods run the operator's own image "
+                                  f"and command, and a mount there could replace their code or their inputs; no "
+                                  f"policy key allows it (mount elsewhere, or only in the train role)")
     for key, value in sorted(override.annotations.items()):
         if _unconfined(key, value):
             yield OverrideRefusal(f"{at}.metadata.annotations.{key}", "none",
@@ -152,6 +173,14 @@ def _toleration_refused(policy: OverridePolicy, toleration: Mapping[str, Any]) -
     if allowed and key not in allowed and TOLERATE_ALL not in allowed:
         return f"taint key {key!r} is not allowed; allowed: {', '.join(sorted(allowed))}"
     return None
+
+
+def _overlaps(path: str, guarded: str) -> bool:
+    """Whether a mount at `path` is at, under or above directory `guarded` (both absolute)."""
+    mount = posixpath.normpath("/" + path.lstrip("/"))
+    if mount == "/":
+        return True
+    return mount == guarded or mount.startswith(guarded + "/") or guarded.startswith(mount + "/")
 
 
 def _unconfined(key: str, value: str) -> bool:

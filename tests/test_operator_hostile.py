@@ -197,6 +197,28 @@ def test_restricted_defaults_refuse_what_the_review_got_through():
         "env": [{"name": "HF_HOME", "value": "/data/hf"}]}}])) == []
 
 
+def test_no_mount_over_the_code_or_the_inputs_of_the_operators_own_pods():
+    """Issue 29 item 6: the optimize pod's plan is what the power allocator and the clock ceilings
+    trust, so an override may not mount over its code (the venv in /opt/kareus) or its inputs."""
+    from kareus_operator.settings import MOUNT_JOB, MOUNT_OUT, MOUNT_PROFILE
+
+    site = "/opt/kareus/lib/python3.12/site-packages/kareus/optimizer"
+    paths = [site, MOUNT_PROFILE, MOUNT_JOB, MOUNT_OUT, "/etc", "/var", "/", "/usr/local/lib", "/workspace",
+             "/data/../opt/kareus", "/data", "/home/me/cache", "/var/cache/hf"]
+    entry = {"volumes": [{"name": "v", "configMap": {"name": "forged"}}],
+             "volumeMounts": [{"name": "v", "mountPath": p} for p in paths]}
+    for roles in (["optimize"], ["profile"], ["profile", "optimize", "train"]):
+        refusals = check_overrides(OverridePolicy(), overrides_of([{"roles": roles, "spec": entry}]))
+        refused = [r.field.removeprefix("spec.podTemplateOverrides[0].spec.volumeMounts[") for r in refusals]
+        assert refused == [f"{i}].mountPath" for i in range(10)], roles  # all but /data, /home/…, /var/cache/…
+        assert refusals[0].rule == "none"
+        assert f"{site!r} covers /opt: the " in refusals[0].message and "own image and command" in refusals[0].message
+        assert refusals[1].text().startswith(f"spec.podTemplateOverrides[0].spec.volumeMounts[1].mountPath: "
+                                             f"'{MOUNT_PROFILE}' covers /etc")
+    # The training pod runs the tenant's own image anyway: its mounts are the tenant's business.
+    assert check_overrides(OverridePolicy(), overrides_of([{"roles": ["train"], "spec": entry}])) == []
+
+
 def test_policy_can_allow_what_restricted_refuses():
     policy = load_policy({"podTemplateOverrides": {"volumeTypes": ["hostPath", "emptyDir"],
                                                    "priorityClassNames": ["batch-high"],
