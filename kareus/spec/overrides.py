@@ -3,9 +3,11 @@
 In the spirit of Kubeflow Trainer's `podTemplateOverrides`: each entry names the roles it applies
 to (`profile`, `optimize`, `train`) and adds scheduling (nodeSelector, tolerations, affinity,
 priorityClassName), image pull secrets, volumes and mounts, environment, resources, labels and
-annotations. Maps merge (the entry wins), lists append, in entry order. What a Kubernetes type
-holds deeper than this schema checks (an affinity term, a volume source) is validated by the API
-server when the child Job is created, and a refusal becomes the job's condition.
+annotations. Maps merge (the entry wins), lists append, in entry order. An affinity and a volume
+source are checked against core/v1's own schemas as the CRD types them (`kareus.spec.core_types`:
+unknown fields, types, bounds), so `kareus validate` names a bad field the API server would refuse;
+what only the API server knows (a field's finer semantics) it validates when the child Job is
+created, and a refusal becomes the job's condition.
 
 The CRD declares the same shape and limits; `tests/test_crd_agreement.py` holds the two together.
 """
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kareus.spec.core_types import schema_errors, schemas
 from kareus.spec.fields import FieldError, Fields, as_integer, describe, is_integer
 
 ROLES = ("profile", "optimize", "train")
@@ -110,7 +113,7 @@ def _read_entry(entry: Fields, read_env, read_resources) -> PodOverride:
         values = {
             "node_selector": _string_map(pod, "nodeSelector", LABEL_VALUE, max_length=63),
             "tolerations": _objects(pod, "tolerations", _toleration),
-            "affinity": _free_object(pod, "affinity"),
+            "affinity": _affinity(pod, "affinity"),
             "priority_class_name": pod.string("priorityClassName", None, max_length=253, pattern=DNS_SUBDOMAIN),
             "image_pull_secrets": _objects(pod, "imagePullSecrets", _pull_secret),
             "volumes": _objects(pod, "volumes", _volume),
@@ -164,15 +167,24 @@ def _objects(fields: Fields, key: str, read, *, max_items: int = MAX_ITEMS) -> t
     return None if len(fields.errors) > before else tuple(items)
 
 
-def _free_object(fields: Fields, key: str) -> dict[str, Any] | None:
-    """An object the CRD preserves as given (the API server validates it in the pod)."""
+def _affinity(fields: Fields, key: str) -> dict[str, Any] | None:
+    """A core/v1 Affinity, checked against the schema the CRD types it with."""
     if not fields.has(key):
         return None
     value = fields.data[key]
     if not isinstance(value, Mapping):
         fields.error(key, f"must be an object, got {describe(value)}")
         return None
+    if not _schema_checked(fields, dict(value), schemas()["affinity"], fields.at(key)):
+        return None
     return dict(value)
+
+
+def _schema_checked(fields: Fields, value: dict[str, Any], schema: Mapping[str, Any], at: str) -> bool:
+    """Whether `value` fits `schema`; every break (a few at most) becomes an error of `fields`."""
+    errors = schema_errors(value, schema, at)
+    fields.errors += [FieldError(path, message) for path, message in errors]
+    return not errors
 
 
 def _toleration(entry: Fields) -> dict[str, Any]:
@@ -208,8 +220,10 @@ def _pull_secret(entry: Fields) -> dict[str, str]:
 
 
 def _volume(entry: Fields) -> dict[str, Any]:
-    """A volume: its name checked here, its source by the API server (the CRD preserves it)."""
+    """A core/v1 Volume: its name as every name here, its source against the CRD's schema."""
     name = entry.string("name", max_length=63, pattern=DNS_LABEL)
+    source = {key: value for key, value in entry.data.items() if key != "name"}
+    _schema_checked(entry, source, {**schemas()["volume"], "required": []}, entry.path)
     return {**entry.data, "name": name or ""}
 
 
