@@ -465,6 +465,52 @@ async def test_a_plan_planted_by_another_jobs_pod_is_never_trusted():
     assert f"/apis/batch/v1/namespaces/{NS}/jobs/b-optimize" in kube.objects
 
 
+async def test_a_deleted_jobs_pods_cannot_write_into_a_new_job_of_the_same_name():
+    """The admission policy ties a worker's writes to its job's name, so a pod of a deleted job
+    that still runs (terminating: it checkpoints and publishes once more) could write into a new
+    job of that name. The new job creates the ConfigMaps its pods fill only once no such pod runs,
+    and a ConfigMap such a pod made meanwhile (no owner, no job-uid: the operator sets both) goes."""
+    pods = f"/api/v1/namespaces/{NS}/pods"
+    kube = MemoryKube()
+    kube.put(f"{JOBS}/a", job_manifest("a"))
+    old = {"metadata": {"name": "a-profile-old12", "namespace": NS, "uid": "pod-old",
+                        "deletionTimestamp": "2025-01-01T00:00:00Z",
+                        "labels": {"kareus.dev/job-name": "a", "kareus.dev/job-uid": "uid-old-a",
+                                   "kareus.dev/role": "profile"},
+                        "ownerReferences": [{"kind": "Job", "name": "a-profile", "uid": "uid-old-profile-job"}]},
+           "status": {"phase": "Running"}}
+    kube.put(f"{pods}/a-profile-old12", old)
+    # What it published after its job's ConfigMap was garbage-collected: a-profile, labelled, unowned.
+    stray = {"metadata": {"name": "a-profile", "namespace": NS, "labels": {"kareus.dev/job-name": "a"}},
+             "data": {"profile.json": "{\"forged\": true}"}}
+    kube.put(f"{CMS}/a-profile", copy.deepcopy(stray))
+    outcome = await reconciler(kube).reconcile(await kube.get(f"{JOBS}/a"), now=1.0e9)
+    profiled = condition(outcome.status, "Profiled")
+    assert (profiled["status"], profiled["reason"]) == ("False", "StaleChild")
+    assert profiled["message"] == ("Pod a-profile-old12 belongs to Job a-profile (uid uid-old-profile-job), not this "
+                                   "job; waiting until it is gone (being deleted)")
+    assert f"/apis/batch/v1/namespaces/{NS}/jobs/a-profile" not in kube.objects
+    assert kube.objects[f"{CMS}/a-profile"]["data"] == stray["data"]  # untouched while the pod may write
+
+    # Finished pods of the old job do not hold it up; once the live one is gone, the stray goes.
+    kube.put(f"{pods}/a-profile-old12", {**old, "status": {"phase": "Succeeded"}})
+    outcome = await reconciler(kube).reconcile(await kube.get(f"{JOBS}/a"), now=1.0e9)
+    made = kube.objects[f"{CMS}/a-profile"]
+    assert made["metadata"]["labels"]["kareus.dev/job-uid"] == "uid-job-a" and "data" not in made
+    assert made["metadata"]["ownerReferences"][0]["uid"] == "uid-job-a"
+    assert [(kind, reason) for kind, reason, _ in outcome.events if reason == "StaleChildRemoved"] == [
+        ("Normal", "StaleChildRemoved")]
+    assert f"/apis/batch/v1/namespaces/{NS}/jobs/a-profile" in kube.objects
+    # A ConfigMap with an owner (an earlier job's, not yet collected) is still waited for, never deleted.
+    kube.put(f"{JOBS}/b", job_manifest("b"))
+    kube.put(f"{CMS}/b-profile", {"metadata": {"name": "b-profile", "namespace": NS, "labels": {
+        "kareus.dev/job-name": "b", "kareus.dev/job-uid": "uid-old-b"}, "ownerReferences": [
+        {"kind": "KareusJob", "name": "b", "uid": "uid-old-b", "controller": True}]}})
+    outcome = await reconciler(kube).reconcile(await kube.get(f"{JOBS}/b"), now=1.0e9)
+    assert condition(outcome.status, "Profiled")["reason"] == "StaleChild"
+    assert kube.objects[f"{CMS}/b-profile"]["metadata"]["labels"]["kareus.dev/job-uid"] == "uid-old-b"
+
+
 async def test_a_profile_cache_is_reused_only_once_the_operator_sealed_it():
     kube = MemoryKube()
     job = job_manifest("c")

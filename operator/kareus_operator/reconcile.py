@@ -50,6 +50,7 @@ from kareus_operator.publish import PROGRESS_KEY
 from kareus_operator.refusals import CONDITION_OF_ROLE, ChildRefused, Refusal, backoff_s, classify
 from kareus_operator.settings import (
     ANNOTATION_PLAN_REVISION,
+    LABEL_JOB,
     LABEL_JOB_UID,
     LABEL_QUEUE,
     LABEL_ROLE,
@@ -473,7 +474,7 @@ class Reconciler:
         if child is None:
             await self._ensure_spec(p)
             await self._check_overrides(p, spec, "train", mf.train_job_name(p.name))
-            await self._ensure(mf.job_configmap(p.job, mf.progress_configmap_name(p.name), "train"))
+            await self._ensure_filled(p, mf.progress_configmap_name(p.name), "train")
             await self._ensure(mf.train_service(p.job))
             await self._ensure(mf.train_job(p.job, spec, self.settings))
             p.want("Training", True, "Starting", f"created the Indexed Job {job_name} ({spec.training.nodes} pod(s))")
@@ -615,7 +616,7 @@ class Reconciler:
             await self._check_overrides(p, spec, stage, f"{p.name}-{stage}")
             filled = {"profile": mf.measured_profile_configmap_name, "optimize": mf.plan_configmap_name}.get(stage)
             if filled is not None:  # the ConfigMap its pod fills, created owned so it can be trusted
-                await self._ensure(mf.job_configmap(p.job, filled(p.name), stage))
+                await self._ensure_filled(p, filled(p.name), stage)
             await self._ensure(build())
             return "Pending"
         # The Job controller's failed pods are its retries, but for the last one when it gave up.
@@ -749,6 +750,36 @@ class Reconciler:
             raise StaleChild(existing, meta["labels"].get(LABEL_ROLE, ""))
         return existing
 
+    async def _ensure_filled(self, p: _Pass, name: str, role: str) -> None:
+        """The empty ConfigMap a worker of `role` fills, created owned (`mf.job_configmap`) — but only
+        once no pod of an earlier job of the same name runs. Such a pod (its job deleted, its pods
+        still terminating: a training pod checkpoints and publishes once more on SIGTERM) has the
+        same job name, so the workers' admission policy lets it write this job's ConfigMaps of that
+        name (issue 29). A ConfigMap of that name with neither an ownerReference nor a `job-uid`
+        label can only be such a pod's (the operator sets both, a worker may set neither): once those
+        pods are gone it is deleted and made anew, where it used to block the job for good."""
+        stale = await self._earlier_jobs_pods(p)
+        if stale:
+            raise StaleChild({**stale[0], "kind": "Pod"}, role)  # a list's items carry no kind
+        try:
+            await self._ensure(mf.job_configmap(p.job, name, role))
+        except StaleChild as taken:
+            meta = taken.body.get("metadata") or {}
+            if meta.get("ownerReferences") or LABEL_JOB_UID in (meta.get("labels") or {}):
+                raise
+            await self.kube.delete(path("v1", "configmaps", p.ns, name))
+            p.events.append(("Normal", "StaleChildRemoved", f"deleted ConfigMap {name}, which a pod of an earlier "
+                             f"job of this name made"))
+            await self._ensure(mf.job_configmap(p.job, name, role))
+
+    async def _earlier_jobs_pods(self, p: _Pass) -> list[dict[str, Any]]:
+        """Pods of an earlier KareusJob of this name (another `job-uid`) that may still run."""
+        pods = await self.kube.list(path("v1", "pods", p.ns), f"{LABEL_JOB}={p.name}")
+        return [pod for pod in pods
+                if ((pod["metadata"].get("labels") or {}).get(LABEL_JOB) == p.name
+                    and (pod["metadata"].get("labels") or {}).get(LABEL_JOB_UID) != p.meta["uid"]
+                    and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))]
+
     async def _check_overrides(self, p: _Pass, spec: JobSpec, role: str, name: str) -> None:
         """The job's overrides for `role`, refused before the child exists when the cluster policy
         (or Pod Security `restricted`, which it defaults to) would not have them — in any namespace,
@@ -826,6 +857,7 @@ class StaleChild(Exception):
         state = "being deleted" if meta.get("deletionTimestamp") else "not yet garbage-collected"
         super().__init__(f"{body.get('kind', 'object')} {meta['name']} belongs to {', '.join(owners) or 'no owner'}, "
                          f"not this job; waiting until it is gone ({state})")
+        self.body = body
         self.condition = CONDITION_OF_ROLE.get(role, "Profiled")
 
 
