@@ -345,3 +345,31 @@ def test_neighbours_pass_steps_from_the_front_to_a_configuration_the_surrogate_m
     assert set(order[:len(near_front)]) == near_front
     # (3, b) and (9, b) are next to no front point: after, in the tie break's order.
     assert list(order[len(near_front):]) == [g for g in remaining[tie_break] if g not in near_front]
+
+
+def test_transfer_carries_a_configuration_to_the_clocks_next_to_where_it_is_on_the_whole_front():
+    from kareus.search.acquisition import Planes, transfer_rank
+
+    # Five clocks, three SM counts, two slots. (21, a) is the fast end at every clock; (3, a) is
+    # every clock's slowest and leanest point, so it is on each clock's own front, but on the
+    # grid's front only at 1000 MHz (a lower clock beats it everywhere else); the others lose at
+    # every clock. Votes from each clock's own front tie the two and carried (3, a) to the high
+    # clocks first (Qwen3 CP2+TP4 fwd_qkv_ar: half the budget spent so).
+    space = SearchSpace((1400, 1300, 1200, 1100, 1000), (3, 12, 21), ("a", "b"))
+    clock_i, sms_i, slot_i = space.axes
+    f = np.asarray(space.clocks_mhz, float)[clock_i] / 1400
+    fast = (sms_i == 2) & (slot_i == 0)
+    lean = (sms_i == 0) & (slot_i == 0)
+    time_s = np.where(fast, 1.0, np.where(lean, 1.6, 1.3)) / f
+    effective = np.where(fast, 2.0, np.where(lean, 1.8, 2.1)) * f**2
+    # Every clock measured once (no clock is urgent), both ends at 1400 and 1000 MHz.
+    other = (sms_i == 1) & (slot_i == 1)
+    measured = np.flatnonzero(other | ((fast | lean) & np.isin(clock_i, [0, 4])))
+    remaining = np.setdiff1d(np.arange(space.size), measured)
+    planes = Planes(time_s[measured], effective[measured], time_s[remaining], effective[remaining], 0.1)
+    tie_break = np.argsort(~lean[remaining], kind="stable")  # the surrogate passes favour (3, a)
+    order = remaining[transfer_rank(space, measured, planes, remaining, tie_break)]
+    assert set(order[:3]) == set(np.flatnonzero(fast & np.isin(clock_i, [1, 2, 3])))
+    # (3, a) goes first next to 1000 MHz, where it wins, and last to 1300 MHz.
+    lean_order = [int(clock_i[g]) for g in order if lean[g]]
+    assert lean_order == [3, 2, 1]

@@ -62,3 +62,30 @@ def test_default_preset_finds_the_front_ridge_the_trees_mispredict(seed):
         scale = Normaliser.fit(points(exhaustive.measured))
         ratio = hypervolume(scale(points(result.frontier))) / hypervolume(scale(points(exhaustive.frontier)))
         assert ratio >= 0.99, (plane, ratio)
+
+
+def _bench():
+    """`bench/mbo_efficiency.py` loaded as a module (it is a script, not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "mbo_efficiency.py"
+    spec = importlib.util.spec_from_file_location("mbo_efficiency", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_default_preset_reaches_99_percent_under_noise_on_qwen3_cp2tp4_fwd_qkv_ar(seed):
+    # As the bench scores it (1 % noise; the true cost of the configurations on the measured
+    # front against the same for the exhaustive search): before the transfer pass voted on the
+    # whole grid's front, seeds 0-2 reached 0.9888 / 0.9894 / 0.9900 — the pass spent half of the
+    # 72 measurements carrying each clock's leanest configuration (3 comm SMs) to every clock.
+    bench = _bench()
+    case = bench.Case("qwen3-1.7b", 4, 2, 4096, 8, "fwd_qkv_ar", seed, 0.01)
+    result = bench.run_case(case)["methods"]["default"]
+    assert result["evaluations"] <= 0.2 * 360
+    assert min(result["hv_effective"], result["hv_total"]) >= 0.99, result

@@ -9,17 +9,23 @@ Each pass ranks every unmeasured point by one criterion computed from surrogate 
   its HVI is positive exactly for points predicted faster than the fastest measured one, growing
   as the predicted time drops: ranking by predicted time is that pass;
 - `uncertainty`: σ(T̂)+σ(Ê) of a bootstrap ensemble — explores where the surrogates disagree;
-- `transfer` (default preset): a configuration (comm SMs, launch slot) that is on the
-  (time, effective energy) front of some clock is likely good at the neighbouring clocks too —
-  the best overlap changes slowly with the clock. Each clock votes for the configurations on its
-  (time, effective energy) front, judged on the surrogate's values everywhere when they are given
-  (its fit at measured points pools every clock's measurements, so one lucky draw among
-  configurations a noise level apart does not decide the vote), else on measured values where
-  measured and predictions elsewhere. Unmeasured points rank by their configuration's votes, then
-  by total-energy HVI; clocks with no measurement yet come first, each one's best candidate before
-  any clock's second (composition drops a clock with no measurement) — and on grids with no more
-  configurations than clocks, every configuration that half the clocks vote for at the highest
-  and the lowest clock, where the ends of the front are;
+- `transfer` (default preset): a configuration (comm SMs, launch slot) that is on the front at
+  some clock is likely good at the neighbouring clocks too — the best overlap changes slowly with
+  the clock. A clock votes for the configurations whose point at that clock is on the front of
+  the whole grid in the (time, effective energy) or (time, total energy) plane, judged on the
+  surrogate's values everywhere when they are given (its fit at measured points pools every
+  clock's measurements, so one lucky draw among configurations a noise level apart does not
+  decide the vote), else on measured values where measured and predictions elsewhere. An
+  unmeasured point ranks by its configuration's votes weighted by how near the voting clocks are
+  (`exp(-Δ/3)`, Δ in grid steps of the clock), then by total-energy HVI. Votes from each clock's
+  own front (before) went to that clock's slowest, leanest configuration at every clock — on
+  Qwen3 CP2+TP4 `fwd_qkv_ar` half the budget carried 3 comm SMs to clocks where a lower clock
+  beats it, while the fast end's 21 SMs reached 2 clocks of 18; and votes summed over all clocks
+  carried a configuration that wins only at the lowest clocks to the highest ones first. Clocks
+  with no measurement yet come first, each one's best candidate before any clock's second
+  (composition drops a clock with no measurement) — and on grids with no more configurations
+  than clocks, every configuration that half the clocks vote for at the highest and the lowest
+  clock, where the ends of the front are;
 - `extremes` (default preset): the two ends of the front are where a miss costs the most
   hypervolume and where the surrogates extrapolate. Unmeasured neighbours of the fastest measured
   point (the adjacent comm-SM counts or slots at its clock, its configuration one clock higher) and
@@ -54,6 +60,9 @@ import numpy as np
 
 from kareus.search.indicators import Normaliser, dominance_gap, hvi_2d, pareto_mask
 from kareus.search.problem import SearchSpace
+
+# Transfer: a vote's weight falls by 1/e every this many clock steps from the voting clock.
+TRANSFER_CLOCK_SCALE = 3.0
 
 PASSES = ("total", "effective", "static", "uncertainty", "transfer", "extremes", "neighbours")
 
@@ -176,18 +185,23 @@ def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, rema
         time_s[measured], effective_j[measured] = planes.fitted_time_s, planes.fitted_effective_j
     time_s[remaining], effective_j[remaining] = planes.predicted_time_s, planes.predicted_effective_j
     n_clocks = len(space.clocks_mhz)
+    # on_front[clock, configuration]: that configuration's point at that clock is on the front
+    # of the whole grid (either plane).
     on_front = np.zeros((n_clocks, space.configurations))
-    for clock in range(n_clocks):
-        at_clock = np.flatnonzero(clock_i == clock)
-        plane = np.column_stack((time_s[at_clock], effective_j[at_clock]))
-        on_front[clock, config[at_clock][pareto_mask(plane)]] = 1.0
+    for plane in ("effective", "total"):
+        front = np.flatnonzero(pareto_mask(planes._plane(time_s, effective_j, plane)))
+        on_front[clock_i[front], config[front]] = 1.0
     votes = on_front.sum(axis=0)
+    # A configuration goes first to the clocks next to those it wins at.
+    step = np.argsort(np.argsort(space.clocks_mhz))  # clock index -> rank by frequency
+    nearness = np.exp(-np.abs(step[:, None] - step[None, :]) / TRANSFER_CLOCK_SCALE)
+    local_votes = (nearness @ on_front)[clock_i[remaining], config[remaining]]
     position = np.empty(len(remaining), dtype=int)
     position[tie_break] = np.arange(len(remaining))
     # A clock with no measurement at all comes first: composition drops such a clock. Each such
     # clock's best candidate goes before any clock's second, so a batch covers as many as it can.
     uncovered = ~np.isin(clock_i[remaining], clock_i[measured])
-    order = np.lexsort((position, -votes[config[remaining]], ~uncovered))
+    order = np.lexsort((position, -local_votes, ~uncovered))
     rank = np.empty(len(remaining), dtype=int)
     rank[order] = np.arange(len(remaining))
     first_at_clock = np.zeros(len(remaining), dtype=bool)
