@@ -56,10 +56,11 @@ images: $(STAMP) packages
 test-deps: $(STAMP) kube kueue packages images
 
 # Two pytest-xdist workers: one runs every test on the control plane and dev cluster in order (mostly waiting
-# on pods, watches and Prometheus windows), the other the CPU-bound tests beside it (tests/conftest.py).
+# on pods, watches and Prometheus windows), the other the CPU-bound modules beside it (tests/conftest.py's
+# scheduler).
 test: $(STAMP)
 	$(MAKE) -j3 --output-sync=target test-deps
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
 
 # Opt-in, ~13 min of real time: the kubelet rotating a training pod's node-agent token (600 s, the
 # API server's floor) under a held clock lease. Not part of `test`, whose budget it does not fit.

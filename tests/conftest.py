@@ -8,6 +8,7 @@ why — never a skip, so CI cannot pass without having run them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import itertools
 import os
@@ -24,21 +25,40 @@ _namespaces = itertools.count()
 collect_ignore = [] if os.environ.get("KAREUS_TOKEN_ROTATION") == "1" else ["test_token_rotation.py"]
 
 
-# Modules that start Kubernetes components without the fixtures below (`kareus dev-cluster` as a user runs it).
-_CLUSTER_SOURCE = re.compile(r"kareus_devcluster|dev-cluster")
+# A module is a cluster module when it names one of the fixtures below or starts `kareus dev-cluster`
+# itself. Read from its source, since xdist's controller schedules by node id and collects nothing.
+_CLUSTER_SOURCE = re.compile(r"\b(control_plane|dev_cluster|kube_client|kubectl|kueue)\b|kareus_devcluster|dev-cluster")
+
+
+@functools.cache
+def _cluster_module(path: Path) -> bool:
+    return bool(_CLUSTER_SOURCE.search(path.read_text()))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers. Every cluster module is one scope, run in order by one
+    worker, which starts the session's control plane and dev cluster once and mostly waits on pods,
+    watches and Prometheus windows; the other worker takes the CPU-bound modules, each whole (its
+    module-scoped fixtures made once), beside it."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "cluster" if _cluster_module(config.rootpath / module) else module
+
+    return ClusterScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs two workers) every module that uses the control plane goes to
-    one worker as one group: the session's control plane and dev cluster start once and its tests run in
-    order, while the other worker takes the CPU-bound modules. Without xdist the markers do nothing."""
-    cluster_modules = {item.module for item in items if "control_plane" in getattr(item, "fixturenames", ())}
-    cluster_modules |= {module for module in {item.module for item in items}
-                        if _CLUSTER_SOURCE.search(Path(module.__file__).read_text())}
-    for item in items:
-        # Every other module stays whole on one worker too, so its module-scoped fixtures are made once.
-        group = "cluster" if item.module in cluster_modules else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+    """The scheduler's reading of the source must agree with the fixtures each test really uses: a
+    cluster module scheduled beside the cluster worker would start a second control plane."""
+    missed = sorted({item.path.name for item in items if "control_plane" in getattr(item, "fixturenames", ())
+                     and not _cluster_module(item.path)})
+    if missed:
+        raise pytest.UsageError(f"tests/conftest.py: {', '.join(missed)} use the control plane through a "
+                                "fixture _CLUSTER_SOURCE does not name; add that fixture's name to it")
 
 
 def pytest_collection_finish(session):
