@@ -373,3 +373,32 @@ def test_transfer_carries_a_configuration_to_the_clocks_next_to_where_it_is_on_t
     # (3, a) goes first next to 1000 MHz, where it wins, and last to 1300 MHz.
     lean_order = [int(clock_i[g]) for g in order if lean[g]]
     assert lean_order == [3, 2, 1]
+
+
+def test_transfer_gives_each_clocks_own_lean_end_a_fraction_of_a_vote():
+    from kareus.search.acquisition import Planes, transfer_rank
+
+    # As above, but (3, b) beats (3, a) at 1000 MHz, so (3, a) is on the grid's front nowhere,
+    # only on each of the other clocks' own fronts (their lean end). It is still worth carrying
+    # before the configurations on no front at all: the lean end is where the grid's front goes
+    # at the low clocks (full bench: 8 types below 99 % with whole-front votes alone, 4 with it).
+    space = SearchSpace((1400, 1300, 1200, 1100, 1000), (3, 12, 21), ("a", "b"))
+    clock_i, sms_i, slot_i = space.axes
+    f = np.asarray(space.clocks_mhz, float)[clock_i] / 1400
+    fast = (sms_i == 2) & (slot_i == 0)
+    lean = (sms_i == 0) & (slot_i == 0)
+    low = (sms_i == 0) & (slot_i == 1)
+    time_s = np.where(fast, 1.0, np.where(lean, 1.6, 1.7)) / f
+    effective = np.where(fast, 2.0, np.where(lean, 1.8, 2.1)) * f**2
+    best_low = low & (clock_i == 4)
+    time_s[best_low], effective[best_low] = 1.5 / f[best_low], 1.7 * f[best_low] ** 2
+    other = (sms_i == 1) & (slot_i == 1)
+    measured = np.flatnonzero(other | ((fast | lean | low) & np.isin(clock_i, [0, 4])))
+    remaining = np.setdiff1d(np.arange(space.size), measured)
+    planes = Planes(time_s[measured], effective[measured], time_s[remaining], effective[remaining], 0.1)
+    tie_break = np.argsort(lean[remaining], kind="stable")  # the surrogate passes put (3, a) last
+    order = remaining[transfer_rank(space, measured, planes, remaining, tie_break)]
+    assert set(order[:3]) == set(np.flatnonzero(fast & np.isin(clock_i, [1, 2, 3])))
+    rank = {int(g): i for i, g in enumerate(order)}
+    nowhere = [g for g in remaining if not (fast | lean | low)[g]]  # on no clock's front
+    assert max(rank[g] for g in np.flatnonzero(lean) if g in rank) < min(rank[g] for g in nowhere)

@@ -17,8 +17,11 @@ Each pass ranks every unmeasured point by one criterion computed from surrogate 
   clock's measurements, so one lucky draw among configurations a noise level apart does not
   decide the vote), else on measured values where measured and predictions elsewhere. An
   unmeasured point ranks by its configuration's votes weighted by how near the voting clocks are
-  (`exp(-Δ/3)`, Δ in grid steps of the clock), then by total-energy HVI. Votes from each clock's
-  own front (before) went to that clock's slowest, leanest configuration at every clock — on
+  (`exp(-Δ/3)`, Δ in grid steps of the clock), then by total-energy HVI. On grids with more
+  configurations than clocks a clock also gives 0.3 of a vote to each point on its own
+  (time, effective energy) front: its lean end, where the grid's front goes at lower clocks, is
+  carried before configurations on no front at all. Votes from each clock's
+  own front alone (before) went to that clock's slowest, leanest configuration at every clock — on
   Qwen3 CP2+TP4 `fwd_qkv_ar` half the budget carried 3 comm SMs to clocks where a lower clock
   beats it, while the fast end's 21 SMs reached 2 clocks of 18; and votes summed over all clocks
   carried a configuration that wins only at the lowest clocks to the highest ones first. Clocks
@@ -63,6 +66,8 @@ from kareus.search.problem import SearchSpace
 
 # Transfer: a vote's weight falls by 1/e every this many clock steps from the voting clock.
 TRANSFER_CLOCK_SCALE = 3.0
+# Transfer, many-configuration grids: a clock's vote for a point on its own front only.
+TRANSFER_OWN_CLOCK_VOTE = 0.3
 
 PASSES = ("total", "effective", "static", "uncertainty", "transfer", "extremes", "neighbours")
 
@@ -191,6 +196,13 @@ def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, rema
     for plane in ("effective", "total"):
         front = np.flatnonzero(pareto_mask(planes._plane(time_s, effective_j, plane)))
         on_front[clock_i[front], config[front]] = 1.0
+    if not space.few_configurations:
+        # ... and, at a fraction of a vote, the configurations on its own (time, effective) front:
+        # its trade-off's lean end, which the grid's front reaches only once measured somewhere.
+        for clock in range(n_clocks):
+            at_clock = np.flatnonzero(clock_i == clock)
+            plane = np.column_stack((time_s[at_clock], effective_j[at_clock]))
+            on_front[clock, config[at_clock][pareto_mask(plane)]] += TRANSFER_OWN_CLOCK_VOTE
     votes = on_front.sum(axis=0)
     # A configuration goes first to the clocks next to those it wins at.
     step = np.argsort(np.argsort(space.clocks_mhz))  # clock index -> rank by frequency
