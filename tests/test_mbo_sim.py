@@ -89,3 +89,21 @@ def test_default_preset_reaches_99_percent_under_noise_on_qwen3_cp2tp4_fwd_qkv_a
     result = bench.run_case(case)["methods"]["default"]
     assert result["evaluations"] <= 0.2 * 360
     assert min(result["hv_effective"], result["hv_total"]) >= 0.99, result
+
+
+def test_bench_reports_coverage_and_runs_a_held_out_gpu():
+    # Coverage: the true front of the configurations a method measured against the noise-free
+    # optimum, beside the acceptance's ratio, so a miss can be told from the noise's selection
+    # loss; `--gpu`/`--models` run the configurations on a held-out GPU or model.
+    bench = _bench()
+    todo = bench.cases(True, 1, 0.01, "H100-SXM5-80GB", ("llama3.1-8b", "qwen3-1.7b"))
+    assert {c.gpu for c in todo} == {"H100-SXM5-80GB"} and todo[0].model == "llama3.1-8b"
+    case = next(c for c in todo if c.partition == "bwd_o_ar")
+    result = bench.run_case(case)
+    assert result["config"].startswith("H100-SXM5-80GB qwen3-1.7b")
+    assert result["grid"] == 25 * 10  # H100: 25 clocks
+    for method in result["methods"].values():
+        assert 0.0 < method["coverage"] <= 1.0 + 1e-9
+    summary = bench.summarise([result])
+    assert "types_below_target_coverage" in summary["default"]
+    assert bench.main(["--quick", "--seeds", "1", "--partitions", "bwd_o_ar", "--gpu", "A100-SXM4-40GB"]) == 0
