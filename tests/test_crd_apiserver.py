@@ -35,7 +35,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 INVALID = sorted(p for p in (ROOT / "tests" / "data" / "invalid").glob("*.yaml") if p.stem != "wrong-api-version")
 # Strict field validation refuses unknown fields while decoding (400 Bad Request); every other
 # refusal is schema or CEL validation (422 Unprocessable Entity).
-DECODING_ERRORS = {"unknown-field"}
+DECODING_ERRORS = {"unknown-field", "override-affinity-unknown-field"}
 IMMUTABLE = "spec: Forbidden: is immutable once training started, except objective and suspend"
 # Every printer column filled in, so that the rows kubectl prints split into one value per column.
 STATUS = {"phase": "Training", "objective": "maxThroughput", "trainingStartTime": "2026-01-01T00:00:00Z",

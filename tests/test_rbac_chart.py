@@ -179,7 +179,7 @@ def test_a_worker_writes_only_its_own_jobs_configmaps(dev_cluster, kube_client, 
     assert "ownerReferences" in refused(lambda: a_train.create_namespaced_config_map(ns, {"metadata": {
         "name": "a-progress", "labels": {"kareus.dev/job-name": "a"}, "ownerReferences": [owner]}, "data": {}}))
     assert "job-uid label is the operator's" in refused(lambda: a_train.patch_namespaced_config_map(
-        "a-plan", ns, {"metadata": {"labels": {"kareus.dev/job-uid": "uid-a"}}}))
+        "a-progress", ns, {"metadata": {"labels": {"kareus.dev/job-uid": "uid-a"}}}))
     assert "no profile cache" in refused(lambda: b_profile.patch_namespaced_config_map(
         "kareus-profile-k", ns, {"data": {"v": "forged"}}))
     refused(lambda: b_profile.create_namespaced_config_map(
