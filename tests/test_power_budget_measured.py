@@ -6,7 +6,8 @@ runs three quickstart-shaped jobs (Llama 3.2 3B, tensor parallel 2: 6 GPUs), rea
 train` pods, and a real Prometheus scrapes the node agent as the chart's monitors say. The budget
 fits two jobs at full speed but not three, and three at their slowest points.
 
-- Arrival: two jobs run at frontier row 0; the third's allotment moves them to slower rows
+- Arrival: two jobs run at frontier row 0; the third's allotment moves them off full speed
+  (slower rows, or a row under a per-GPU power limit: the plan's power-limited points)
   within one resync of it, and the three allotments sum to at most the budget.
 - Enforcement: once the pods follow their allotments, the agents' measured power summed over two
   60-second windows (`increase` of `kareus_gpu_energy_joules_total` in Prometheus) stays within
@@ -52,15 +53,30 @@ def manifest(name: str) -> dict:
     return job
 
 
-def row_powers_w(tmp_path: Path) -> list[float]:
-    """Each frontier row's predicted power of one job, from its plan on the same simulated GPU."""
+def plan_of_one_job(tmp_path: Path) -> Plan:
+    """One job's plan, made on the same simulated GPU as the operator's."""
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(manifest("local")))
     assert cli_main(["profile", str(job), "--out", str(tmp_path / "profile.json"), "--quiet"]) == 0
     assert cli_main(["optimize", str(job), "--profile", str(tmp_path / "profile.json"),
                      "--out", str(tmp_path / "plan.json")]) == 0
-    plan = Plan.loads((tmp_path / "plan.json").read_text())
-    return [row.energy_j / row.time_s for row in plan.frontier.rows]
+    return Plan.loads((tmp_path / "plan.json").read_text())
+
+
+def point_power_w(plan: Plan, power: dict) -> float:
+    """The predicted power of the point a `status.power` names: a frontier row, or that row under
+    its per-GPU power limit (one of the plan's power-limited points)."""
+    if "powerLimitWatts" not in power:
+        row = plan.frontier.rows[power["frontierRow"]]
+        return row.energy_j / row.time_s
+    [point] = [p for p in plan.power_limited_points if p.row == power["frontierRow"]
+               and p.power_limit_w == pytest.approx(power["powerLimitWatts"], abs=1e-3)]
+    return point.energy_j / point.time_s
+
+
+def below_full_speed(power: dict) -> bool:
+    """Moved off the fastest point: a slower frontier row, or a row under a power limit."""
+    return (power.get("frontierRow") or 0) > 0 or "powerLimitWatts" in power
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +85,8 @@ def budgeted(dev_cluster, tmp_path_factory):
     the budget, and Prometheus."""
     from kareus_devcluster.prometheus import DevPrometheus
 
-    powers_w = row_powers_w(tmp_path_factory.mktemp("plan"))
+    plan = plan_of_one_job(tmp_path_factory.mktemp("plan"))
+    powers_w = [row.energy_j / row.time_s for row in plan.frontier.rows]
     budget_w = round(2.5 * powers_w[0])
     # Two jobs fit at full speed, three do not, three fit at their slowest points.
     assert 2 * powers_w[0] <= budget_w < 3 * powers_w[0] and 3 * powers_w[-1] <= budget_w, (budget_w, powers_w)
@@ -79,7 +96,7 @@ def budgeted(dev_cluster, tmp_path_factory):
     api = config.new_client_from_config(config_file=str(dev_cluster.kubeconfig))
     jobs = client.CustomObjectsApi(api)
     with DevPrometheus(tmp_path_factory.mktemp("prometheus"), dev_cluster.control_plane) as prometheus:
-        yield prometheus, jobs, budget_w, powers_w
+        yield prometheus, jobs, budget_w, plan
         for name in JOBS:
             read_or_none(lambda n=name: jobs.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, n))
     dev_cluster.uninstall(objects)
@@ -101,7 +118,7 @@ def measured_w(prometheus, query: str, at_s: float) -> dict[str, float]:
 
 
 def test_the_budget_is_enforced_and_measured(budgeted):
-    prometheus, jobs, budget_w, powers_w = budgeted
+    prometheus, jobs, budget_w, plan = budgeted
     for name in JOBS[:2]:
         jobs.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, manifest(name))
     for name in JOBS[:2]:  # two fit at full speed
@@ -114,12 +131,12 @@ def test_the_budget_is_enforced_and_measured(budgeted):
                timeout_s=300, what=f"{JOBS[2]}'s allotment")
     arrived_s = time.monotonic()
     settled = wait_until(lambda: {n: power_of(jobs, n) for n in JOBS},
-                         lambda ps: all((p.get("frontierRow") or 0) > 0 for p in ps.values()),
-                         timeout_s=RESYNC_S, what="every job moved off row 0 within one resync", interval_s=0.5)
+                         lambda ps: all(below_full_speed(p) for p in ps.values()),
+                         timeout_s=RESYNC_S, what="every job moved off full speed within one resync", interval_s=0.5)
     print(f"arrival re-allocated in {time.monotonic() - arrived_s:.1f} s (one resync: {RESYNC_S:.0f} s)")
     allotted_w = {n: p["allottedWatts"] for n, p in settled.items()}
     assert sum(allotted_w.values()) <= budget_w and all(p["feasible"] for p in settled.values()), settled
-    assert all(allotted_w[n] == pytest.approx(powers_w[settled[n]["frontierRow"]], rel=1e-3) for n in JOBS)
+    assert all(allotted_w[n] == pytest.approx(point_power_w(plan, settled[n]), rel=1e-3) for n in JOBS), settled
 
     # The pods follow their allotments (the kubelet swaps the plan file within its sync period).
     per_job = f'sum by (kareusjob) (rate(kareus_gpu_energy_joules_total{{namespace="{NS}"}}[20s]))'
@@ -127,7 +144,9 @@ def test_the_budget_is_enforced_and_measured(budgeted):
                lambda m: all(abs(m.get(n, 0.0) / allotted_w[n] - 1) <= MODEL_ERROR for n in JOBS),
                timeout_s=300, what=f"each job's measured power within {MODEL_ERROR:.0%} of its allotment",
                interval_s=2.0)
-    assert {n: power_of(jobs, n)["frontierRow"] for n in JOBS} == {n: settled[n]["frontierRow"] for n in JOBS}
+    def point(p: dict) -> tuple:
+        return p["frontierRow"], p.get("powerLimitWatts")
+    assert {n: point(power_of(jobs, n)) for n in JOBS} == {n: point(settled[n]) for n in JOBS}
 
     # Two 60 s windows of the agents' counters, summed over the budget's GPUs.
     time.sleep(2 * WINDOW_S + 5)
@@ -145,8 +164,9 @@ def test_the_budget_is_enforced_and_measured(budgeted):
     jobs.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, JOBS[2])
     left_s = time.monotonic()
     back = wait_until(lambda: {n: power_of(jobs, n) for n in JOBS[:2]},
-                      lambda ps: all(p.get("frontierRow") == 0 for p in ps.values()),
+                      lambda ps: all(not below_full_speed(p) for p in ps.values()),
                       timeout_s=RESYNC_S, what="the two jobs back at row 0 within one resync", interval_s=0.5)
     print(f"departure re-allocated in {time.monotonic() - left_s:.1f} s; "
           f"{json.dumps({n: p['allottedWatts'] for n, p in back.items()})}")
-    assert all(p["allottedWatts"] == pytest.approx(powers_w[0], rel=1e-3) for p in back.values())
+    full_speed_w = plan.frontier.rows[0].energy_j / plan.frontier.rows[0].time_s
+    assert all(p["allottedWatts"] == pytest.approx(full_speed_w, rel=1e-3) for p in back.values())
