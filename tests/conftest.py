@@ -28,6 +28,11 @@ collect_ignore = [] if os.environ.get("KAREUS_TOKEN_ROTATION") == "1" else ["tes
 # A module is a cluster module when it names one of the fixtures below or starts `kareus dev-cluster`
 # itself. Read from its source, since xdist's controller schedules by node id and collects nothing.
 _CLUSTER_SOURCE = re.compile(r"\b(control_plane|dev_cluster|kube_client|kubectl|kueue)\b|kareus_devcluster|dev-cluster")
+# The cluster modules that wait longest (measured in full runs: Prometheus windows, several jobs end to
+# end, whole dev clusters started and stopped), handed out first so that none of them is the tail.
+_SLOWEST_FIRST = ("test_power_budget_measured.py", "test_dashboards_live.py", "test_power_budget.py",
+                  "test_e2e_quickstart.py", "test_kueue_energy_budget.py", "test_dev_cluster_cli.py",
+                  "test_e2e_two_nodes.py", "test_e2e_checkpoint.py")
 
 
 @functools.cache
@@ -37,28 +42,30 @@ def _cluster_module(path: Path) -> bool:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs two pytest-xdist workers. Every cluster module is one scope, run in order by one
-    worker, which starts the session's control plane and dev cluster once and mostly waits on pods,
-    watches and Prometheus windows; the other worker takes the CPU-bound modules, each whole (its
-    module-scoped fixtures made once), beside it."""
+    """`make test` runs two pytest-xdist workers, each module whole on one of them (its module-scoped
+    fixtures, an operator release or a cluster of its own, made once). A worker that runs a cluster
+    module starts its own control plane and dev cluster (session fixtures are per worker; the dev
+    clusters take separate network slots and cgroup roots), so the cluster modules, which mostly wait
+    on pods, watches and Prometheus windows, run two at a time. They go out first, slowest first; the
+    CPU-bound modules fill in after them."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ClusterScheduling(LoadScopeScheduling):
+    def rank(scope: str) -> tuple[int, int]:
+        name = Path(scope).name
+        if name in _SLOWEST_FIRST:
+            return 0, _SLOWEST_FIRST.index(name)
+        return (1 if _cluster_module(config.rootpath / scope) else 2), 0
+
+    class SlowestFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "cluster" if _cluster_module(config.rootpath / module) else module
+            return nodeid.split("::", 1)[0]
 
-    return ClusterScheduling(config, log)
+        def _assign_work_unit(self, node) -> None:
+            for scope in sorted(self.workqueue, key=rank):  # stable: the queue's order within a rank
+                self.workqueue.move_to_end(scope)
+            super()._assign_work_unit(node)
 
-
-def pytest_collection_modifyitems(config, items):
-    """The scheduler's reading of the source must agree with the fixtures each test really uses: a
-    cluster module scheduled beside the cluster worker would start a second control plane."""
-    missed = sorted({item.path.name for item in items if "control_plane" in getattr(item, "fixturenames", ())
-                     and not _cluster_module(item.path)})
-    if missed:
-        raise pytest.UsageError(f"tests/conftest.py: {', '.join(missed)} use the control plane through a "
-                                "fixture _CLUSTER_SOURCE does not name; add that fixture's name to it")
+    return SlowestFirst(config, log)
 
 
 def pytest_collection_finish(session):
