@@ -55,12 +55,12 @@ images: $(STAMP) packages
 # and the disk), then the suite.
 test-deps: $(STAMP) kube kueue packages images
 
-# Two pytest-xdist workers: one runs every test on the control plane and dev cluster in order (mostly waiting
-# on pods, watches and Prometheus windows), the other the CPU-bound modules beside it (tests/conftest.py's
-# scheduler).
+# Two pytest-xdist workers, each module whole on one of them; each worker runs cluster modules on a control
+# plane and dev cluster of its own, slowest first, then the CPU-bound modules (tests/conftest.py's
+# scheduler). The 30 slowest tests are listed at the end.
 test: $(STAMP)
 	$(MAKE) -j3 --output-sync=target test-deps
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --durations=30
 
 # Opt-in, ~13 min of real time: the kubelet rotating a training pod's node-agent token (600 s, the
 # API server's floor) under a held clock lease. Not part of `test`, whose budget it does not fit.
