@@ -28,14 +28,11 @@ collect_ignore = [] if os.environ.get("KAREUS_TOKEN_ROTATION") == "1" else ["tes
 # A module is a cluster module when it names one of the fixtures below or starts `kareus dev-cluster`
 # itself. Read from its source, since xdist's controller schedules by node id and collects nothing.
 _CLUSTER_SOURCE = re.compile(r"\b(control_plane|dev_cluster|kube_client|kubectl|kueue)\b|kareus_devcluster|dev-cluster")
-# The longest modules (measured in a full `make test` on 2 cores, 2026-12-03: each module's setup and
-# calls; Prometheus windows, several jobs end to end, whole dev clusters, multi-rank torch runs), handed
-# out first, longest first, so that none of them is the tail; the other modules follow, cluster ones first.
-_SLOWEST_FIRST = ("test_power_budget_measured.py", "test_dashboards_live.py", "test_e2e_quickstart.py",
-                  "test_operator_power_budget.py", "test_runtime_checkpoint.py", "test_operator_lifecycle.py",
-                  "test_runtime_dist.py", "test_kueue.py", "test_kueue_energy_budget.py", "test_e2e_checkpoint.py",
-                  "test_rbac_chart.py", "test_e2e_two_nodes.py", "test_dev_cluster_cli.py",
-                  "test_operator_restart.py", "test_run_quickstart.py", "test_operator_ha.py")
+# The cluster modules that wait longest (measured in full runs: Prometheus windows, several jobs end to
+# end, whole dev clusters started and stopped), handed out first so that none of them is the tail.
+_SLOWEST_FIRST = ("test_power_budget_measured.py", "test_dashboards_live.py", "test_power_budget.py",
+                  "test_e2e_quickstart.py", "test_kueue_energy_budget.py", "test_dev_cluster_cli.py",
+                  "test_e2e_two_nodes.py", "test_e2e_checkpoint.py")
 
 
 @functools.cache
@@ -49,8 +46,8 @@ def pytest_xdist_make_scheduler(config, log):
     fixtures, an operator release or a cluster of its own, made once). A worker that runs a cluster
     module starts its own control plane and dev cluster (session fixtures are per worker; the dev
     clusters take separate network slots and cgroup roots), so the cluster modules, which mostly wait
-    on pods, watches and Prometheus windows, run two at a time. The longest modules go out first,
-    then the other cluster modules, then the CPU-bound ones."""
+    on pods, watches and Prometheus windows, run two at a time. They go out first, slowest first; the
+    CPU-bound modules fill in after them."""
     from xdist.scheduler import LoadScopeScheduling
 
     def rank(scope: str) -> tuple[int, int]:
