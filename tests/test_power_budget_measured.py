@@ -63,12 +63,16 @@ def plan_of_one_job(tmp_path: Path) -> Plan:
     return Plan.loads((tmp_path / "plan.json").read_text())
 
 
+def row_power_w(plan: Plan, row: int) -> float:
+    """Frontier row `row`'s predicted power (all GPUs, static included)."""
+    return plan.frontier.rows[row].energy_j / plan.frontier.rows[row].time_s
+
+
 def point_power_w(plan: Plan, power: dict) -> float:
     """The predicted power of the point a `status.power` names: a frontier row, or that row under
     its per-GPU power limit (one of the plan's power-limited points)."""
     if "powerLimitWatts" not in power:
-        row = plan.frontier.rows[power["frontierRow"]]
-        return row.energy_j / row.time_s
+        return row_power_w(plan, power["frontierRow"])
     [point] = [p for p in plan.power_limited_points if p.row == power["frontierRow"]
                and p.power_limit_w == pytest.approx(power["powerLimitWatts"], abs=1e-3)]
     return point.energy_j / point.time_s
@@ -86,7 +90,7 @@ def budgeted(dev_cluster, tmp_path_factory):
     from kareus_devcluster.prometheus import DevPrometheus
 
     plan = plan_of_one_job(tmp_path_factory.mktemp("plan"))
-    powers_w = [row.energy_j / row.time_s for row in plan.frontier.rows]
+    powers_w = [row_power_w(plan, row) for row in range(len(plan.frontier.rows))]
     budget_w = round(2.5 * powers_w[0])
     # Two jobs fit at full speed, three do not, three fit at their slowest points.
     assert 2 * powers_w[0] <= budget_w < 3 * powers_w[0] and 3 * powers_w[-1] <= budget_w, (budget_w, powers_w)
@@ -168,5 +172,4 @@ def test_the_budget_is_enforced_and_measured(budgeted):
                       timeout_s=RESYNC_S, what="the two jobs back at row 0 within one resync", interval_s=0.5)
     print(f"departure re-allocated in {time.monotonic() - left_s:.1f} s; "
           f"{json.dumps({n: p['allottedWatts'] for n, p in back.items()})}")
-    full_speed_w = plan.frontier.rows[0].energy_j / plan.frontier.rows[0].time_s
-    assert all(p["allottedWatts"] == pytest.approx(full_speed_w, rel=1e-3) for p in back.values())
+    assert all(p["allottedWatts"] == pytest.approx(row_power_w(plan, 0), rel=1e-3) for p in back.values())
