@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -38,6 +40,15 @@ def _netns() -> set[str]:
 def _pids_in(netns: str) -> set[int]:
     out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, check=False).stdout
     return {int(pid) for pid in out.split()}
+
+
+def _written_since(stream) -> str:
+    """What a process wrote that was not read yet, without waiting for an end of file that a child
+    still holding the pipe would put off."""
+    chunks = []
+    while select.select([stream], [], [], 1)[0] and (chunk := os.read(stream.fileno(), 65536)):
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
 
 
 def test_two_real_nodes_then_ctrl_c_stops_everything(tmp_path, control_plane):
@@ -108,7 +119,8 @@ def test_two_real_nodes_then_ctrl_c_stops_everything(tmp_path, control_plane):
                                   for s in slices), slices
     finally:
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=120) == 0
+        process.wait(timeout=120)
+    assert process.returncode == 0, "".join(lines[-20:]) + _written_since(process.stdout)
     gone, alive = psutil.wait_procs(started, timeout=10)
     assert alive == [], [(p.pid, p.name()) for p in alive]
     assert {"etcd", "kube-apiserver", "kubelet", "containerd", "kube-proxy"} <= names

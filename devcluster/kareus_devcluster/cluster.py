@@ -25,6 +25,7 @@ everything it started on Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -157,23 +158,21 @@ class DevCluster(Started):
                 quota_objects(KUEUE_QUEUE, gpus, list(self.worker_namespaces))))
 
     def stop(self) -> None:
-        if self.storage is not None:
-            self.storage.stop()
-            self.storage = None
-        if self.kueue is not None:
-            self.kueue.stop()
-            self.kueue = None
-        if self.prometheus is not None:
-            self.prometheus.stop()
-            self.prometheus = None
-        for node in self.nodes:
-            self._stop_node(node)
-        self.nodes = []
-        if self.owns_control_plane and self.control_plane is not None:
-            self.control_plane.stop()
-        if self._short_root is not None:
-            subprocess.run(["rm", "-rf", "--one-file-system", str(self._short_root)], check=False)
-            self._short_root = None
+        """Every part is stopped even when stopping an earlier one fails (a node left half stopped must
+        not keep the control plane and the other nodes running); a failure is raised once all are stopped."""
+        with contextlib.ExitStack() as parts:  # exits in reverse: the order below is the stop order
+            if self._short_root is not None:
+                parts.callback(subprocess.run, ["rm", "-rf", "--one-file-system", str(self._short_root)], check=False)
+                self._short_root = None
+            if self.owns_control_plane and self.control_plane is not None:
+                parts.callback(self.control_plane.stop)
+            for node in reversed(self.nodes):
+                parts.callback(self._stop_node, node)
+            self.nodes = []
+            for name in ("prometheus", "kueue", "storage"):
+                if (part := getattr(self, name)) is not None:
+                    parts.callback(part.stop)
+                    setattr(self, name, None)
 
     # ------------------------------------------------------------------ nodes
 

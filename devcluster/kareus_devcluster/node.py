@@ -241,9 +241,8 @@ class RealNode:
 
     def _kill_cgroup_root(self) -> None:
         for _ in range(3):  # a process may fork while its siblings die
-            pids = {int(pid) for hierarchy in _v1_hierarchies()
-                    for procs in (hierarchy / self.cgroup_root.lstrip("/")).rglob("cgroup.procs")
-                    for pid in _read(procs).split()}
+            pids = {int(pid) for directory in self._cgroup_dirs()
+                    for pid in _read(directory / "cgroup.procs").split()}
             if not pids:
                 return
             for pid in pids:
@@ -252,15 +251,16 @@ class RealNode:
             time.sleep(0.2)
 
     def _remove_cgroup_root(self) -> None:
-        for hierarchy in _v1_hierarchies():
-            path = hierarchy / self.cgroup_root.lstrip("/")
-            if not path.exists():
-                continue
-            for child in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                with contextlib.suppress(OSError):
-                    child.rmdir()
+        for directory in sorted(self._cgroup_dirs(), key=lambda p: -len(p.parts)):  # leaves first
             with contextlib.suppress(OSError):
-                path.rmdir()
+                directory.rmdir()
+
+    def _cgroup_dirs(self) -> list[Path]:
+        """The node's cgroup root and every cgroup under it, in every hierarchy. os.walk, since
+        containerd removes a dead container's cgroup while the walk runs (pathlib's rglob raised
+        FileNotFoundError there, under load, and the node's stop ended half done)."""
+        return [Path(top) for hierarchy in _v1_hierarchies(unified=True)
+                for top, _, _ in os.walk(hierarchy / self.cgroup_root.lstrip("/"))]
 
     # ------------------------------------------------------------------ configuration
 
@@ -464,14 +464,16 @@ def seed_containerd_root(store: Path, root: Path) -> None:
         subprocess.run(["cp", "-a", str(store / db), str(root / db)], check=True)
 
 
-def _v1_hierarchies() -> list[Path]:
-    """The mounted cgroup v1 hierarchies (cpu, memory, pids, …, the named systemd one)."""
+def _v1_hierarchies(*, unified: bool = False) -> list[Path]:
+    """The mounted cgroup v1 hierarchies (cpu, memory, pids, …, the named systemd one); `unified`:
+    with the v2 one of a hybrid host, where runc also puts the node's containers."""
+    types = ("cgroup", "cgroup2") if unified else ("cgroup",)
     found = []
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/mountinfo").read_text().splitlines():
             fields = line.split()
             separator = fields.index("-")
-            if fields[separator + 1] == "cgroup":
+            if fields[separator + 1] in types:
                 found.append(Path(fields[4]))
     return found
 
