@@ -30,7 +30,7 @@ collect_ignore = [] if os.environ.get("KAREUS_TOKEN_ROTATION") == "1" else ["tes
 _CLUSTER_SOURCE = re.compile(r"\b(control_plane|dev_cluster|kube_client|kubectl|kueue)\b|kareus_devcluster|dev-cluster")
 # The cluster modules that wait longest (measured in full runs: Prometheus windows, several jobs end to
 # end, whole dev clusters started and stopped), handed out first so that none of them is the tail.
-_SLOWEST_FIRST = ("test_power_budget_measured.py", "test_dashboards_live.py", "test_power_budget.py",
+_SLOWEST_FIRST = ("test_power_budget_measured.py", "test_dashboards_live.py", "test_operator_power_budget.py",
                   "test_e2e_quickstart.py", "test_kueue_energy_budget.py", "test_dev_cluster_cli.py",
                   "test_e2e_two_nodes.py", "test_e2e_checkpoint.py")
 
@@ -66,6 +66,22 @@ def pytest_xdist_make_scheduler(config, log):
             super()._assign_work_unit(node)
 
     return SlowestFirst(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Once a worker moves from its last cluster module to the CPU-bound ones, its control plane and
+    dev cluster (and every session fixture built on them) are stopped: idle, they still cost a share
+    of a core (API server, etcd, kubelet, Prometheus scrapes) that the torch modules then lack. The
+    scheduler above hands out every cluster module before any other, so none follows; if one did,
+    pytest would start them again (a finished fixture is made anew when next requested). Without
+    xdist, modules run in file order, mixed, and the cluster stays up to the end."""
+    result = yield
+    ordered = hasattr(item.config, "workerinput")  # an xdist worker, fed by the scheduler above
+    if ordered and nextitem is not None and _cluster_module(item.path) and not _cluster_module(nextitem.path):
+        for fixturedef in item.session._fixturemanager.getfixturedefs("control_plane", item) or ():
+            fixturedef.finish(item._request)  # its dependants (dev_cluster, kube_client, ...) first
+    return result
 
 
 def pytest_collection_finish(session):
