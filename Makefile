@@ -15,7 +15,7 @@ TORCH_PIN := requirements/torch.txt
 # 2 min for pip. PIP_FIND_LINKS (a wheel directory some machines ship) is uv's too.
 UV_VERSION := 0.13.9
 UV := $(BIN)/uv
-UV_INSTALL = $(UV) pip install --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+UV_INSTALL = $(UV) pip install --compile-bytecode --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 
 $(STAMP): pyproject.toml Makefile $(TORCH_PIN)
 	$(PYTHON) -m venv $(VENV)

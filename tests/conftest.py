@@ -33,6 +33,14 @@ _CLUSTER_SOURCE = re.compile(r"\b(control_plane|dev_cluster|kube_client|kubectl|
 _SLOWEST_FIRST = ("test_power_budget_measured.py", "test_dashboards_live.py", "test_operator_power_budget.py",
                   "test_e2e_quickstart.py", "test_kueue_energy_budget.py", "test_dev_cluster_cli.py",
                   "test_e2e_two_nodes.py", "test_e2e_checkpoint.py")
+# Likewise the longest CPU-bound modules (multi-rank torch on gloo, `kareus run`), first of theirs, so that
+# the run does not end on one of them while the other workers have nothing left.
+_SLOWEST_CPU_FIRST = ("test_runtime_checkpoint.py", "test_runtime_dist.py", "test_run_quickstart.py",
+                      "test_runtime_reload.py", "test_runtime_train.py", "test_runtime_p2p.py")
+# Workers gw0 and gw1 may run cluster modules, each on a control plane and dev cluster of its own; any
+# further worker (`make test TEST_WORKERS=3`) runs CPU-bound modules only, from the start, on the CPU the
+# cluster modules leave idle while they wait on pods, and never starts a third cluster.
+_CLUSTER_WORKERS = 2
 
 
 @functools.cache
@@ -54,14 +62,23 @@ def pytest_xdist_make_scheduler(config, log):
         name = Path(scope).name
         if name in _SLOWEST_FIRST:
             return 0, _SLOWEST_FIRST.index(name)
-        return (1 if _cluster_module(config.rootpath / scope) else 2), 0
+        if _cluster_module(config.rootpath / scope):
+            return 1, 0
+        if name in _SLOWEST_CPU_FIRST:
+            return 2, _SLOWEST_CPU_FIRST.index(name)
+        return 3, 0
 
     class SlowestFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return nodeid.split("::", 1)[0]
 
         def _assign_work_unit(self, node) -> None:
-            for scope in sorted(self.workqueue, key=rank):  # stable: the queue's order within a rank
+            order = sorted(self.workqueue, key=rank)  # stable: the queue's order within a rank
+            if int(node.gateway.id.removeprefix("gw")) >= _CLUSTER_WORKERS:
+                # A CPU-only worker: the first CPU-bound module; a cluster module only when none is left
+                # (the run must still end), which the ranks make the rare case.
+                order.sort(key=lambda scope: rank(scope)[0] < 2)
+            for scope in order:
                 self.workqueue.move_to_end(scope)
             super()._assign_work_unit(node)
 
