@@ -62,10 +62,11 @@ images: $(STAMP) packages
 # and the disk), then the suite.
 test-deps: $(STAMP) kube kueue packages images
 
-# Two pytest-xdist workers, each module whole on one of them; each worker runs cluster modules on a control
-# plane and dev cluster of its own, slowest first, then the CPU-bound modules (tests/conftest.py's
-# scheduler). The 30 slowest tests are listed at the end.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers, each module whole on one of them (tests/conftest.py's scheduler): the first
+# two run the cluster modules, slowest first, each on a control plane and dev cluster of its own, which
+# they stop when they move on to the CPU-bound modules; the third runs CPU-bound modules only, on the
+# CPU the cluster modules leave idle while they wait on pods. The 30 slowest tests are listed at the end.
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(MAKE) -j3 --output-sync=target test-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=30

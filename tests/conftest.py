@@ -50,12 +50,13 @@ def _cluster_module(path: Path) -> bool:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs two pytest-xdist workers, each module whole on one of them (its module-scoped
+    """`make test` runs three pytest-xdist workers, each module whole on one of them (its module-scoped
     fixtures, an operator release or a cluster of its own, made once). A worker that runs a cluster
     module starts its own control plane and dev cluster (session fixtures are per worker; the dev
     clusters take separate network slots and cgroup roots), so the cluster modules, which mostly wait
-    on pods, watches and Prometheus windows, run two at a time. They go out first, slowest first; the
-    CPU-bound modules fill in after them."""
+    on pods, watches and Prometheus windows, run two at a time on the first two workers. They go out
+    first, slowest first; the CPU-bound modules follow, longest first. The third worker takes
+    CPU-bound modules only, from the start."""
     from xdist.scheduler import LoadScopeScheduling
 
     def rank(scope: str) -> tuple[int, int]:
