@@ -10,9 +10,11 @@ TORCH_PIN := requirements/torch.txt
 
 .PHONY: install kube kueue packages prometheus images test-deps test test-token-rotation run lint bench clean
 
-# uv installs from its cache (~/.cache/uv) by hard links and compiles no bytecode up front: a fresh
-# clone's .venv (torch included, 5.4 GB) takes about 15 s once the cache holds the wheels, against about
-# 2 min for pip. PIP_FIND_LINKS (a wheel directory some machines ship) is uv's too.
+# uv installs from its cache (~/.cache/uv) by hard links: a fresh clone's .venv (torch included, 5.4 GB)
+# takes about 35 s once the cache holds the wheels, against about 2 min for pip. It compiles bytecode at
+# install: machines that set PYTHONDONTWRITEBYTECODE would otherwise compile every import in every process
+# (every torch rank), about 200 s more of `make test`. PIP_FIND_LINKS (a wheel directory some machines
+# ship) is uv's too.
 UV_VERSION := 0.13.9
 UV := $(BIN)/uv
 UV_INSTALL = $(UV) pip install --compile-bytecode --python $(BIN)/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))

@@ -232,7 +232,7 @@ class RealNode:
         return process
 
     def _make_cgroup_root(self) -> None:
-        for hierarchy in _v1_hierarchies():
+        for hierarchy in _cgroup_hierarchies():
             path = hierarchy / self.cgroup_root.lstrip("/")
             path.mkdir(exist_ok=True)
             for knob in ("cpuset.cpus", "cpuset.mems"):  # a new cpuset is empty until given its parent's
@@ -259,7 +259,7 @@ class RealNode:
         """The node's cgroup root and every cgroup under it, in every hierarchy. os.walk, since
         containerd removes a dead container's cgroup while the walk runs (pathlib's rglob raised
         FileNotFoundError there, under load, and the node's stop ended half done)."""
-        return [Path(top) for hierarchy in _v1_hierarchies(unified=True)
+        return [Path(top) for hierarchy in _cgroup_hierarchies(unified=True)
                 for top, _, _ in os.walk(hierarchy / self.cgroup_root.lstrip("/"))]
 
     # ------------------------------------------------------------------ configuration
@@ -464,7 +464,7 @@ def seed_containerd_root(store: Path, root: Path) -> None:
         subprocess.run(["cp", "-a", str(store / db), str(root / db)], check=True)
 
 
-def _v1_hierarchies(*, unified: bool = False) -> list[Path]:
+def _cgroup_hierarchies(*, unified: bool = False) -> list[Path]:
     """The mounted cgroup v1 hierarchies (cpu, memory, pids, …, the named systemd one); `unified`:
     with the v2 one of a hybrid host, where runc also puts the node's containers."""
     types = ("cgroup", "cgroup2") if unified else ("cgroup",)
