@@ -126,6 +126,7 @@ def test_bench_oracle_shows_that_measuring_the_front_alone_loses_to_the_noise():
     band, front = result["oracle"]["band"], result["oracle"]["front"]
     assert band["evaluations"] == result["methods"]["default"]["evaluations"] <= 0.2 * result["grid"]
     assert front["evaluations"] < band["evaluations"]
+    assert {o["evaluations"] for name, o in result["oracle"].items() if name.startswith("within")} == {36}
     assert min(front["hv_effective"], front["hv_total"]) < 0.985
     assert min(band["hv_effective"], band["hv_total"]) >= 0.99
     summary = bench.summarise([result])
