@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from kube_helpers import read_or_none, wait_until
 from kubernetes import client, config
+from kubernetes.client.rest import ApiException
 from operator_fakes import conditions, fake_manifest, settings_env
 
 GROUP, VERSION, PLURAL = "kareus.dev", "v1alpha1", "kareusjobs"
@@ -79,9 +80,27 @@ def test_a_missing_service_account_is_reported_and_fixing_it_resumes(api):
     assert succeeded(wait_job(jobs, "no-sa", succeeded))
 
 
+def quota_in_force(core: client.CoreV1Api, namespace: str) -> bool:
+    """Whether the API server's quota admission refuses a pod now (a dry run: nothing is created).
+
+    A new ResourceQuota is not enforced at once: admission reads quotas from an informer and, while
+    that has none for the namespace, from a live list it caches for 30 s, so a pod created right
+    after the quota can still be admitted (seen once under load: the profiling pod ran)."""
+    probe = {"metadata": {"generateName": "quota-probe-"},
+             "spec": {"securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                      "containers": [{"name": "probe", "image": "localhost/kareus/runtime:0.1.0", "securityContext": {
+                          "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}]}}
+    try:
+        core.create_namespaced_pod(namespace, probe, dry_run="All")
+    except ApiException as error:
+        return error.status == 403 and "exceeded quota" in (error.body or "")
+    return False
+
+
 def test_a_resource_quota_is_reported_and_lifting_it_resumes(api):
     core, jobs = api
     core.create_namespaced_resource_quota("quota", {"metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}})
+    wait_until(lambda: quota_in_force(core, "quota"), bool, timeout_s=60, what="the no-pods quota in force")
     submit(jobs, "quota")
     assert_refused(core, jobs, "quota", "QuotaExceeded", "exceeded quota: no-pods")
     core.delete_namespaced_resource_quota("no-pods", "quota")
