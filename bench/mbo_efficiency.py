@@ -33,9 +33,9 @@ table reports per method (medians over partition types and seeds):
   1 % of the noise-free front, or the nearest ones where fewer lie within (how precisely a search
   must know the front to do as well). A measured subset's noisy front
   keeps every exhaustive-front point it contains (a point no other grid point dominates is
-  dominated by none of the subset), and its hypervolume only grows with what else it holds, so a
-  search loses against the exhaustive search only through exhaustive-front points it did not
-  measure: near-equivalents of the front whose noise drew them onto it. Measuring the front alone
+  dominated by none of the subset), so its hypervolume is at least theirs, and a search can lose
+  against the exhaustive search only through exhaustive-front points it did not measure:
+  near-equivalents of the front whose noise drew them onto it. Measuring the front alone
   then misses those; measuring the band around it catches them.
 
 `--gpu` and `--models` run the same configurations on another simulated GPU or other models
