@@ -55,6 +55,7 @@ import statistics
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -206,25 +207,29 @@ def run_case(case: Case) -> dict:
     return out
 
 
+def _ratio(scores: dict) -> float:
+    """A search's score: its hypervolume ratio in the worse of the two planes."""
+    return min(scores["hv_effective"], scores["hv_total"])
+
+
+def _type_medians(results: list[dict], value: Callable[[dict], float]) -> dict[tuple, float]:
+    """Per partition type (configuration, partition), the median over seeds of `value(result)`."""
+    per_type: dict[tuple, list[float]] = {}
+    for r in results:
+        per_type.setdefault((r["config"], r["case"]["partition"]), []).append(value(r))
+    return {k: statistics.median(v) for k, v in per_type.items()}
+
+
 def summarise(results: list[dict]) -> dict:
     summary: dict = {}
     for method in METHODS:
         rows = [r["methods"][method] for r in results]
-        per_type: dict[tuple, list[float]] = {}
-        for r in results:
-            key = (r["config"], r["case"]["partition"])
-            m = r["methods"][method]
-            per_type.setdefault(key, []).append(min(m["hv_effective"], m["hv_total"]))
-        medians = {k: statistics.median(v) for k, v in per_type.items()}
-        per_type_coverage: dict[tuple, list[float]] = {}
-        for r in results:
-            per_type_coverage.setdefault((r["config"], r["case"]["partition"]), []).append(
-                r["methods"][method]["coverage"])
-        coverage_medians = {k: statistics.median(v) for k, v in per_type_coverage.items()}
+        medians = _type_medians(results, lambda r, method=method: _ratio(r["methods"][method]))
+        coverage_medians = _type_medians(results, lambda r, method=method: r["methods"][method]["coverage"])
         worst_key, worst = min(medians.items(), key=lambda kv: kv[1])
         reached = [m["to_target"] for m in rows if m["to_target"] is not None]
         summary[method] = {
-            "searches_below_target": sum(min(m["hv_effective"], m["hv_total"]) < TARGET for m in rows),
+            "searches_below_target": sum(_ratio(m) < TARGET for m in rows),
             "evaluations": statistics.median(m["evaluations"] for m in rows),
             "grid_share": statistics.median(m["evaluations"] / r["grid"] for m, r in zip(rows, results, strict=True)),
             "max_grid_share": max(m["evaluations"] / r["grid"] for m, r in zip(rows, results, strict=True)),
@@ -246,14 +251,10 @@ def summarise(results: list[dict]) -> dict:
              if r["methods"]["default"]["to_target"] and r["methods"]["paper"]["to_target"]]
     summary["default_over_paper_to_target"] = statistics.median(pairs) if pairs else None
     for name in ORACLES:
-        per_type = {}
-        for r in results:
-            per_type.setdefault((r["config"], r["case"]["partition"]), []).append(
-                min(r["oracle"][name]["hv_effective"], r["oracle"][name]["hv_total"]))
-        medians = {k: statistics.median(v) for k, v in per_type.items()}
+        medians = _type_medians(results, lambda r, name=name: _ratio(r["oracle"][name]))
         summary[f"oracle_{name}"] = {
             "grid_share": statistics.median(r["oracle"][name]["evaluations"] / r["grid"] for r in results),
-            "searches_below_target": sum(v < TARGET for values in per_type.values() for v in values),
+            "searches_below_target": sum(_ratio(r["oracle"][name]) < TARGET for r in results),
             "types_below_target": sum(v < TARGET for v in medians.values()),
             "worst_type_median_hv": min(medians.values()),
         }
