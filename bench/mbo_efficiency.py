@@ -27,6 +27,10 @@ table reports per method (medians over partition types and seeds):
 - searches below the target: the statistic a change must move. A type is below when two of its
   three seeds are, so the count of types below is a draw from it (at 12 % of searches below,
   about 5 of 128 types are expected below, and 4 to 10 are all likely);
+- repair (a diagnostic for the `default` searches below the target): the fewest exhaustive-front
+  points a search did not measure that bring it back, added greedily, and where each sits on the
+  noise-free front (at or next to its fastest, least-total-energy or least-effective-energy clock,
+  or inside);
 - oracles (ceilings, not methods), scored alike: the `default` search's number of evaluations spent
   on the grid points nearest the noise-free front (least `relative_gap` in either plane); the
   noise-free front alone; and that budget drawn at random from the points within 0.25 %, 0.5 % or
@@ -55,6 +59,7 @@ import statistics
 import sys
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -62,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kareus.search.algorithms import get_algorithm, minimize
-from kareus.search.indicators import Normaliser, hypervolume, pareto_mask
+from kareus.search.indicators import Normaliser, hypervolume, pareto_mask, relative_gap
 from kareus.search.problem import Problem, SearchSpace
 from kareus.sim import Simulator, get_gpu
 from kareus.workload.models import get_preset
@@ -129,12 +134,37 @@ def _front(table: np.ndarray, p_static_w: float) -> list[int]:
     return sorted(set(np.flatnonzero(pareto_mask(planes[0]))) | set(np.flatnonzero(pareto_mask(planes[1]))))
 
 
-def relative_gap(plane: np.ndarray) -> np.ndarray:
-    """Per point, the least ε such that some front point is within a factor 1 + ε of it on both axes
-    (0 on the front). Relative, as the noise is: an additive gap on normalised axes ranks a point a
-    noise level off a steep part of the front as far and leaves it out."""
-    front = plane[pareto_mask(plane)]
-    return np.min(np.max(plane[:, None, :] / front[None, :, :], axis=2), axis=1) - 1
+def _front_end(clock_mhz: int, truth: np.ndarray, candidates: list, p_static_w: float) -> str:
+    """Where a clock sits on the noise-free front: at (or next to) one of its ends, or inside."""
+    clocks = sorted({c.clock_mhz for c in candidates})
+    effective = truth[:, 1] - p_static_w * truth[:, 0]
+    ends = {"fast end": int(np.argmin(truth[:, 0])), "total-energy lean end": int(np.argmin(truth[:, 1])),
+            "effective-energy lean end": int(np.argmin(effective))}
+    for name, point in ends.items():
+        if abs(clocks.index(candidates[point].clock_mhz) - clocks.index(clock_mhz)) <= 1:
+            return name
+    return "inside"
+
+
+def repair(measured: list[int], exhaustive_front: list[int], score: Callable[[list[int]], float],
+           describe: Callable[[int], tuple], most: int = 5) -> list[dict]:
+    """The fewest exhaustive-front points a search missed that bring it back to the target, found
+    greedily (each step the point that adds the most), at most `most`; empty when it is at the target.
+
+    A diagnostic for a search below the target: which points it would have needed, and where they
+    sit on the front."""
+    chosen, steps = set(measured), []
+    missing = [i for i in exhaustive_front if i not in chosen]
+    current = score(sorted(chosen))
+    while current < TARGET and missing and len(steps) < most:
+        gain, point = max((score(sorted(chosen | {i})) - current, i) for i in missing)
+        chosen.add(point)
+        missing.remove(point)
+        current += gain
+        candidate, where = describe(point)
+        steps.append({"clock_mhz": candidate.clock_mhz, "comm_sms": candidate.comm_sms,
+                      "launch_slot": candidate.launch_slot, "where": where, "gain": gain, "score": current})
+    return steps
 
 
 def run_case(case: Case) -> dict:
@@ -175,6 +205,7 @@ def run_case(case: Case) -> dict:
     gap = np.min([relative_gap(plane) for plane in planes], axis=0)
     nearest = [int(i) for i in np.argsort(gap, kind="stable")]
     paper_budget = get_algorithm("paper").max_evaluations(problem)
+    measured: dict[str, list[int]] = {}
     out = {"case": case.__dict__, "config": case.config, "grid": space.size, "methods": {},
            "exhaustive_vs_optimum": [e / o for e, o in zip(exhaustive, optimum, strict=True)]}
     for method in METHODS:
@@ -182,7 +213,7 @@ def run_case(case: Case) -> dict:
         started = time.perf_counter()
         result = minimize(problem, algorithm, seed=case.seed)
         search_s = time.perf_counter() - started
-        indices = [space.index_of(e.candidate) for e in result.measured]
+        indices = measured[method] = [space.index_of(e.candidate) for e in result.measured]
         to_target = None
         for step in result.history:
             if min(ratios(indices[:step.evaluations])) >= TARGET:
@@ -195,6 +226,9 @@ def run_case(case: Case) -> dict:
             "coverage": min(covered),
             "to_target": to_target, "batches": len(result.history) - 1, "search_s": search_s,
         }
+    out["methods"]["default"]["repair"] = repair(
+        measured["default"], _front(noisy, gpu.p_static_w), lambda chosen: min(ratios(chosen)),
+        lambda i: (candidates[i], _front_end(candidates[i].clock_mhz, truth, candidates, gpu.p_static_w)))
     budget = out["methods"]["default"]["evaluations"]
     subsets = {"band": nearest[:budget], "front": nearest[:int(np.count_nonzero(gap == 0))]}
     draw = np.random.default_rng([case.seed, 1])
@@ -247,6 +281,14 @@ def summarise(results: list[dict]) -> dict:
             "search_s_per_batch": statistics.median(
                 m["search_s"] / max(1, m["batches"]) for m in rows),
         }
+    repairs = [r["methods"]["default"]["repair"] for r in results if r["methods"]["default"]["repair"]]
+    summary["default_repair"] = {
+        "searches": len(repairs),
+        "by_one_point": sum(len(steps) == 1 for steps in repairs),
+        "not_within_five": sum(steps[-1]["score"] < TARGET for steps in repairs),
+        "first_point_where": dict(Counter(steps[0]["where"] for steps in repairs).most_common()),
+        "first_point_clock_mhz": dict(Counter(steps[0]["clock_mhz"] for steps in repairs).most_common(3)),
+    }
     pairs = [r["methods"]["default"]["to_target"] / r["methods"]["paper"]["to_target"] for r in results
              if r["methods"]["default"]["to_target"] and r["methods"]["paper"]["to_target"]]
     summary["default_over_paper_to_target"] = statistics.median(pairs) if pairs else None
@@ -288,6 +330,13 @@ def print_table(summary: dict, cases_run: int, elapsed_s: float) -> None:
           f"(median over seeds){': ' + ', '.join(below) if below else ''}")
     print("searches below " + f"{TARGET:.0%}: " + ", ".join(
         f"{method} {summary[method]['searches_below_target']}" for method in METHODS) + f" of {cases_run}")
+    fix = summary["default_repair"]
+    if fix["searches"]:
+        print(f"default, searches below {TARGET:.0%} repaired by adding exhaustive-front points they missed "
+              f"(greedy, diagnostic): {fix['by_one_point']} of {fix['searches']} by one point, "
+              f"{fix['not_within_five']} not by five; the first point: "
+              + ", ".join(f"{where} {n}" for where, n in fix["first_point_where"].items())
+              + "; at " + ", ".join(f"{clock} MHz {n}" for clock, n in fix["first_point_clock_mhz"].items()))
     for name, what in ORACLES.items():
         o = summary[f"oracle_{name}"]
         print(f"oracle ({what}, {100 * o['grid_share']:.1f}% of the grid; a ceiling, not a method): "

@@ -86,6 +86,15 @@ def hvi_2d(front: np.ndarray, candidates: np.ndarray, reference: float = REFEREN
     return (width * height).sum(axis=1)
 
 
+def relative_gap(plane: np.ndarray) -> np.ndarray:
+    """Per point of `plane`, the least ε such that a point of its front is within a factor 1 + ε of
+    it on both axes (0 on the front). Relative, as measurement noise is: an additive gap on
+    normalised axes ranks a point a noise level off a steep part of the front as far."""
+    plane = np.asarray(plane, dtype=float)
+    front = plane[pareto_mask(plane)]
+    return np.min(np.max(plane[:, None, :] / front[None, :, :], axis=2), axis=1) - 1
+
+
 def dominance_gap(front: np.ndarray, candidates: np.ndarray) -> np.ndarray:
     """How far each candidate must move (in both axes at once) to escape domination by `front`.
 
