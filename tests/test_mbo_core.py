@@ -276,6 +276,27 @@ def test_extremes_pass_explores_next_to_both_ends_of_the_measured_front():
     assert sorted(order) == sorted(remaining)
 
 
+def test_clocks_pass_redraws_at_a_front_clock_the_noise_left_off_the_measured_front():
+    from kareus.search.acquisition import Planes, clocks_rank
+
+    space = SearchSpace((1400, 1200, 1000), (2, 4), ("a",))
+    measured = np.array([0, 2, 4])  # 2 SMs at every clock; grid index = clock * 2 + comm-SM index
+    remaining = np.array([1, 3, 5])  # 4 SMs at every clock
+    fit_time, fit_effective = np.array([1.0, 1.2, 1.5]), np.array([3.0, 2.0, 1.5])  # all three on the front
+    predicted_time, predicted_effective = np.array([1.02, 1.22, 1.52]), np.array([3.05, 2.05, 1.52])
+
+    def order(measured_effective: np.ndarray) -> list[int]:
+        planes = Planes(fit_time, measured_effective, predicted_time, predicted_effective, 0.5,
+                        fit_time, fit_effective)
+        return list(remaining[clocks_rank(space, measured, planes, remaining)])
+
+    # 1200 MHz drew high (3.1 J), so 1400 MHz dominates it and the measured front lost that clock,
+    # which the fit still puts on the front: its other configuration goes first.
+    assert order(np.array([3.0, 3.1, 1.5])) == [3, 5, 1]
+    # No clock lost: by relative gap to the predicted front (1.3 %, 2.0 %, 2.5 %).
+    assert order(fit_effective) == [5, 1, 3]
+
+
 def test_transfer_votes_on_the_surrogate_fit_when_given():
     from kareus.search.acquisition import Planes, transfer_rank
 

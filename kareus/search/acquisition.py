@@ -44,6 +44,18 @@ Each pass ranks every unmeasured point by one criterion computed from surrogate 
   exclusive hypervolume contribution (largest gap first), round robin; a parent's neighbours by
   how few clocks their configuration was measured at (what the surrogate knows least), then by
   total-energy HVI; then every other point by total-energy HVI.
+- `clocks` (default preset): under measurement noise a clock can lose every draw it has to luckier
+  draws at its neighbours, and then holds no point of the measured front although it holds one of
+  the true front. The exhaustive search, which measures every configuration at every clock, nearly
+  always keeps a point at each front clock; a search that measures a clock a few times loses it
+  often, most of all next to where the front is flat in one objective (the least total energy,
+  where adjacent clocks differ by less than the noise, and the fastest clocks under the power
+  limit), and there a lost point costs the most hypervolume. This pass finds the clocks that hold a
+  point of the *predicted* front (the surrogate's fit at measured points, its predictions
+  elsewhere; either plane) and none of the *measured* front, most valuable first (the largest
+  exclusive hypervolume contribution of the clock's predicted front point), and measures their
+  unmeasured points nearest the predicted front (`relative_gap`), round robin; then every other
+  point by that gap.
 
 Axes are min-max normalised with the measured points' bounds and the reference point is 1.1 ×
 the worst measured value. Points with zero HVI are ranked by how far they are predicted to miss
@@ -61,7 +73,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kareus.search.indicators import Normaliser, dominance_gap, hvi_2d, pareto_mask
+from kareus.search.indicators import Normaliser, dominance_gap, hvi_2d, pareto_mask, relative_gap
 from kareus.search.problem import SearchSpace
 
 # Transfer: a vote's weight falls by 1/e every this many clock steps from the voting clock.
@@ -69,7 +81,7 @@ TRANSFER_CLOCK_SCALE = 3.0
 # Transfer, many-configuration grids: a clock's vote for a point on its own front only.
 TRANSFER_OWN_CLOCK_VOTE = 0.3
 
-PASSES = ("total", "effective", "static", "uncertainty", "transfer", "extremes", "neighbours")
+PASSES = ("total", "effective", "static", "uncertainty", "transfer", "extremes", "neighbours", "clocks")
 
 
 @dataclass(frozen=True)
@@ -177,18 +189,26 @@ def fill_batch(rankings: Mapping[str, np.ndarray], quotas: Mapping[str, int]) ->
     return chosen
 
 
-def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, remaining: np.ndarray,
-                  tie_break: np.ndarray) -> np.ndarray:
-    """Candidate order for the transfer pass (see the module docstring)."""
-    clock_i = space.axes[0]
-    config = space.configuration_index
-    # Every grid point's best guess: measured where measured, predicted elsewhere.
+def _best_guess(space: SearchSpace, measured: np.ndarray, planes: Planes,
+                remaining: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every grid point's (time, effective energy): the surrogate's fit where measured (it pools
+    every clock's measurements, so one lucky draw does not decide), the measurement where no fit is
+    given, the prediction elsewhere."""
     time_s = np.empty(space.size)
     effective_j = np.empty(space.size)
     time_s[measured], effective_j[measured] = planes.measured_time_s, planes.measured_effective_j
     if planes.fitted_time_s is not None and planes.fitted_effective_j is not None:
         time_s[measured], effective_j[measured] = planes.fitted_time_s, planes.fitted_effective_j
     time_s[remaining], effective_j[remaining] = planes.predicted_time_s, planes.predicted_effective_j
+    return time_s, effective_j
+
+
+def transfer_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, remaining: np.ndarray,
+                  tie_break: np.ndarray) -> np.ndarray:
+    """Candidate order for the transfer pass (see the module docstring)."""
+    clock_i = space.axes[0]
+    config = space.configuration_index
+    time_s, effective_j = _best_guess(space, measured, planes, remaining)
     n_clocks = len(space.clocks_mhz)
     # on_front[clock, configuration]: that configuration's point at that clock is on the front
     # of the whole grid (either plane).
@@ -302,13 +322,41 @@ def neighbours_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, re
     return np.asarray(order + rest, dtype=int)
 
 
+def clocks_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, remaining: np.ndarray) -> np.ndarray:
+    """Candidate order for the clocks pass (see the module docstring)."""
+    clock_i = space.axes[0]
+    time_s, effective_j = _best_guess(space, measured, planes, remaining)
+    # worth[clock]: the most hypervolume one of its points holds alone on the predicted front.
+    worth = np.zeros(len(space.clocks_mhz))
+    gap = np.full(len(remaining), np.inf)
+    for plane in ("effective", "total"):
+        points = planes._plane(time_s, effective_j, plane)
+        on_front = np.flatnonzero(pareto_mask(points))
+        np.maximum.at(worth, clock_i[on_front], _contributions(points)[on_front] + 1e-12)
+        gap = np.minimum(gap, relative_gap(points)[remaining])
+    kept = np.zeros(len(space.clocks_mhz), dtype=bool)
+    for plane in ("effective", "total"):
+        points = planes._plane(planes.measured_time_s, planes.measured_effective_j, plane)
+        kept[clock_i[measured[pareto_mask(points)]]] = True
+    lost = [clock for clock in np.argsort(-worth, kind="stable") if worth[clock] > 0 and not kept[clock]]
+    at_clock = clock_i[remaining]
+    per_clock = []
+    for clock in lost:
+        found = np.flatnonzero(at_clock == clock)
+        per_clock.append(found[np.argsort(gap[found], kind="stable")])
+    order = [int(p) for group in itertools.zip_longest(*per_clock) for p in group if p is not None]
+    taken = set(order)
+    rest = [int(p) for p in np.argsort(gap, kind="stable") if int(p) not in taken]
+    return np.asarray(order + rest, dtype=int)
+
+
 def rank_passes(planes: Planes, uncertainty: np.ndarray | None,
                 grid: tuple[SearchSpace, np.ndarray, np.ndarray] | None = None,
                 passes: Collection[str] = PASSES) -> dict[str, np.ndarray]:
     """The candidate order of every pass in `passes` that can run.
 
     `uncertainty` is needed by the uncertainty pass, `grid` = (space, measured, remaining grid
-    indices) by the transfer and extremes passes.
+    indices) by the transfer, extremes, neighbours and clocks passes.
     """
     rankings = {
         "total": planes.improvement_rank("total"),
@@ -325,4 +373,6 @@ def rank_passes(planes: Planes, uncertainty: np.ndarray | None,
             rankings["extremes"] = extremes_rank(space, measured, planes, remaining)
         if "neighbours" in passes:
             rankings["neighbours"] = neighbours_rank(space, measured, planes, remaining, rankings["total"])
+        if "clocks" in passes:
+            rankings["clocks"] = clocks_rank(space, measured, planes, remaining)
     return rankings

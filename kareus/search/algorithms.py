@@ -17,9 +17,10 @@ batches drops below `stop_epsilon`. Two presets:
   configurations are no more than the clocks and 30 % of the budget, every configuration at the
   middle clock (`clock_sweep_design`); a `transfer` pass that fills 60 % of every batch — up to
   75 % once most configurations have been measured at some clock — with configurations that are
-  on the front at other clocks (the best overlap changes slowly with the clock), an `extremes`
-  pass in place of `static` (the neighbours of both ends of the measured front), the paper's
-  other passes sharing the rest, and each pass's unspent share carried to the next batch;
+  on the front at other clocks (the best overlap changes slowly with the clock), a `clocks` pass
+  (35 %: more draws at the clocks of the predicted front that the noise left without a point on
+  the measured front) in place of the paper's `total`, `effective` and `static`, `uncertainty`
+  5 %, and each pass's unspent share carried to the next batch;
   budgets proportional to the grid with a hard cap of 20 % of it; small batches (2 % of the grid)
   so the stopping rule can end the search early — averaged over 3 of them, only once 10 % of
   the grid and every clock are measured and at a gain below 1e-4, since small batches gain
@@ -29,7 +30,7 @@ batches drops below `stop_epsilon`. Two presets:
   clock curve shared by all configurations plus offsets drifting smoothly with the clock) in
   place of the trees for every pass but the bootstrap uncertainty; on the other grids (trees)
   a `neighbours` pass (15 %: the grid neighbours of the measured front, least-measured
-  configuration first) in place of `uncertainty`, taken from `total` and `effective`.
+  configuration first) in place of `uncertainty`, and `clocks` 25 %.
 
 Progress is the hypervolume of the measured front, averaged over the (time, effective energy)
 and (time, total energy) planes, normalised with the bounds of the initial design so that it only
@@ -292,8 +293,9 @@ class MultiPassMBO(Algorithm):
         time_s, effective_j = archive.time_s, archive.effective_j
         predict = self._surrogate(space, measured, time_s, effective_j, seed)
         prediction = predict(remaining)
-        # Transfer votes on the fit at measured points; no other pass needs it.
-        fitted = predict(measured) if shares.get("transfer", 0) > 0 else None
+        # Transfer votes on the fit at measured points, and the clocks pass judges the predicted
+        # front on it; no other pass needs it.
+        fitted = predict(measured) if shares.get("transfer", 0) > 0 or shares.get("clocks", 0) > 0 else None
         uncertainty = None
         if shares.get("uncertainty", 0) > 0:
             uncertainty = bootstrap_uncertainty(
@@ -318,10 +320,12 @@ PRESETS: dict[str, MBOSettings] = {
         name="default",
         budget=GridBudget(init_per_clock=1, batch_fraction=0.02, max_fraction=0.2, sweep_max_share=0.3).for_problem,
         design="stratified",
-        fractions={"transfer": 0.6, "total": 0.1, "effective": 0.15, "extremes": 0.1, "uncertainty": 0.05},
+        # The clocks pass in place of total, effective and extremes (fifth pass, docs/optimizer.md):
+        # a clock of the predicted front whose draws the noise put off the measured front gets more.
+        fractions={"transfer": 0.6, "uncertainty": 0.05, "clocks": 0.35},
         # The trees cannot carry one configuration's measurements to the other clocks, so a front
         # ridge they mispredict is found by stepping from the measured front instead.
-        many_fractions={"transfer": 0.6, "neighbours": 0.15, "total": 0.05, "effective": 0.1, "extremes": 0.1},
+        many_fractions={"transfer": 0.6, "neighbours": 0.15, "clocks": 0.25},
         trees=TreeSettings(max_depth=4, eta=0.3, rounds=40, monotone_clock=True),
         max_grid_fraction=0.2,
         transfer_max=0.75,
