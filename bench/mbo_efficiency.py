@@ -68,7 +68,7 @@ import numpy as np
 
 from kareus.search.algorithms import get_algorithm, minimize
 from kareus.search.indicators import Normaliser, hypervolume, pareto_mask, relative_gap
-from kareus.search.problem import Problem, SearchSpace
+from kareus.search.problem import Candidate, Problem, SearchSpace
 from kareus.sim import Simulator, get_gpu
 from kareus.workload.models import get_preset
 from kareus.workload.partitions import build_workload
@@ -134,16 +134,18 @@ def _front(table: np.ndarray, p_static_w: float) -> list[int]:
     return sorted(set(np.flatnonzero(pareto_mask(planes[0]))) | set(np.flatnonzero(pareto_mask(planes[1]))))
 
 
-def _front_end(clock_mhz: int, truth: np.ndarray, candidates: list, p_static_w: float) -> str:
-    """Where a clock sits on the noise-free front: at (or next to) one of its ends, or inside."""
-    clocks = sorted({c.clock_mhz for c in candidates})
+def _front_ends(truth: np.ndarray, candidates: list[Candidate], p_static_w: float) -> Callable[[int], str]:
+    """Where a grid point's clock sits on the noise-free front: at (or next to) one of its ends, or inside."""
+    step = {clock: i for i, clock in enumerate(sorted({c.clock_mhz for c in candidates}))}
     effective = truth[:, 1] - p_static_w * truth[:, 0]
-    ends = {"fast end": int(np.argmin(truth[:, 0])), "total-energy lean end": int(np.argmin(truth[:, 1])),
-            "effective-energy lean end": int(np.argmin(effective))}
-    for name, point in ends.items():
-        if abs(clocks.index(candidates[point].clock_mhz) - clocks.index(clock_mhz)) <= 1:
-            return name
-    return "inside"
+    ends = {"fast end": np.argmin(truth[:, 0]), "total-energy lean end": np.argmin(truth[:, 1]),
+            "effective-energy lean end": np.argmin(effective)}
+    end_steps = {name: step[candidates[int(point)].clock_mhz] for name, point in ends.items()}
+
+    def where(index: int) -> str:
+        at = step[candidates[index].clock_mhz]
+        return next((name for name, end in end_steps.items() if abs(end - at) <= 1), "inside")
+    return where
 
 
 def repair(measured: list[int], exhaustive_front: list[int], score: Callable[[list[int]], float],
@@ -226,9 +228,10 @@ def run_case(case: Case) -> dict:
             "coverage": min(covered),
             "to_target": to_target, "batches": len(result.history) - 1, "search_s": search_s,
         }
+    where = _front_ends(truth, candidates, gpu.p_static_w)
     out["methods"]["default"]["repair"] = repair(
         measured["default"], _front(noisy, gpu.p_static_w), lambda chosen: min(ratios(chosen)),
-        lambda i: (candidates[i], _front_end(candidates[i].clock_mhz, truth, candidates, gpu.p_static_w)))
+        lambda i: (candidates[i], where(i)))
     budget = out["methods"]["default"]["evaluations"]
     subsets = {"band": nearest[:budget], "front": nearest[:int(np.count_nonzero(gap == 0))]}
     draw = np.random.default_rng([case.seed, 1])
