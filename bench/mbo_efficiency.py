@@ -27,6 +27,11 @@ table reports per method (medians over partition types and seeds):
 - searches below the target: the statistic a change must move. A type is below when two of its
   three seeds are, so the count of types below is a draw from it (at 12 % of searches below,
   about 5 of 128 types are expected below, and 4 to 10 are all likely);
+- the lottery (a diagnostic for the `default` searches): how many types the median over seeds
+  would put below the target if every type failed as often as the searches do overall (at a
+  per-search rate p and three seeds, about 3p² − 2p³ of the types), and which types fail more
+  often than that rate explains (binomial tail below 5 % / types, so with three seeds no type can
+  be named; run more seeds): those are the search's systematic misses, the rest the noise's;
 - repair (a diagnostic for the `default` searches below the target): the fewest exhaustive-front
   points a search did not measure that bring it back, added greedily, and where each sits on the
   noise-free front (at or next to its fastest, least-total-energy or least-effective-energy clock,
@@ -65,6 +70,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import binom
 
 from kareus.search.algorithms import get_algorithm, minimize
 from kareus.search.indicators import Normaliser, hypervolume, pareto_mask, relative_gap
@@ -257,6 +263,28 @@ def _type_medians(results: list[dict], value: Callable[[dict], float]) -> dict[t
     return {k: statistics.median(v) for k, v in per_type.items()}
 
 
+def lottery(results: list[dict], method: str = "default") -> dict:
+    """Types below the target that per-search failures alone explain, and types that fail more often.
+
+    Under the null that every type's searches fall below the target independently at the pooled
+    rate p, a type's count of searches below over its n seeds is binomial(n, p); its median is below
+    when more than half are (for even n, when half are it may or may not be: the expected count is
+    then a range)."""
+    below: dict[tuple, list[bool]] = {}
+    for r in results:
+        below.setdefault((r["config"], r["case"]["partition"]), []).append(_ratio(r["methods"][method]) < TARGET)
+    rate = sum(map(sum, below.values())) / len(results)
+    low = high = 0.0
+    for flags in below.values():
+        n = len(flags)
+        low += binom.sf(n // 2, n, rate)  # more than half below
+        high += binom.sf((n - 1) // 2, n, rate)  # at least half below
+    alpha = 0.05 / len(below)
+    systematic = sorted((" ".join(key), int(sum(flags)), len(flags)) for key, flags in below.items()
+                        if binom.sf(sum(flags) - 1, len(flags), rate) < alpha)
+    return {"per_search_rate": rate, "expected_types_below": (float(low), float(high)), "systematic": systematic}
+
+
 def summarise(results: list[dict]) -> dict:
     summary: dict = {}
     for method in METHODS:
@@ -284,6 +312,7 @@ def summarise(results: list[dict]) -> dict:
             "search_s_per_batch": statistics.median(
                 m["search_s"] / max(1, m["batches"]) for m in rows),
         }
+    summary["default_lottery"] = lottery(results)
     repairs = [r["methods"]["default"]["repair"] for r in results if r["methods"]["default"]["repair"]]
     summary["default_repair"] = {
         "searches": len(repairs),
@@ -333,6 +362,14 @@ def print_table(summary: dict, cases_run: int, elapsed_s: float) -> None:
           f"(median over seeds){': ' + ', '.join(below) if below else ''}")
     print("searches below " + f"{TARGET:.0%}: " + ", ".join(
         f"{method} {summary[method]['searches_below_target']}" for method in METHODS) + f" of {cases_run}")
+    luck = summary["default_lottery"]
+    low, high = luck["expected_types_below"]
+    expected = f"{low:.1f}" if abs(high - low) < 0.05 else f"{low:.1f}–{high:.1f}"
+    print(f"default, the lottery (diagnostic): {100 * luck['per_search_rate']:.1f}% of searches below {TARGET:.0%}; "
+          f"were every type below that often, {expected} of {summary['default']['types']} types would be below "
+          f"(median over seeds), {len(summary['default']['types_below_target'])} are; types below more often "
+          f"than that rate explains (binomial tail < 5% / types): "
+          + (", ".join(f"{name} ({k} of {n})" for name, k, n in luck["systematic"]) or "none"))
     fix = summary["default_repair"]
     if fix["searches"]:
         print(f"default, searches below {TARGET:.0%} repaired by adding exhaustive-front points they missed "

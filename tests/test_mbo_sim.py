@@ -153,6 +153,30 @@ def test_bench_repair_names_the_fewest_missed_front_points_that_restore_the_targ
     assert bench.repair([10, 11], [10, 11, 12], score, describe) == []
 
 
+def test_bench_lottery_tells_a_type_the_search_misses_from_the_noise():
+    # 40 types × 6 seeds, 24 of 240 searches below (10 %): one type below in 5 of its 6 seeds (a
+    # binomial tail of 5e-5 at 10 %, under 0.05 / 40), the others' 19 spread one or two a type.
+    bench = _bench()
+
+    def result(kind: int, seed: int, below: bool) -> dict:
+        score = {"hv_effective": 0.98 if below else 1.0, "hv_total": 1.0}
+        return {"config": f"type {kind}", "case": {"partition": "p", "seed": seed}, "methods": {"default": score}}
+
+    spread = [1] * 15 + [2] * 2 + [0] * 22
+    results = [result(0, seed, seed < 5) for seed in range(6)]
+    results += [result(kind, seed, seed < count) for kind, count in enumerate(spread, 1) for seed in range(6)]
+    luck = bench.lottery(results)
+    assert luck["per_search_rate"] == pytest.approx(24 / 240)
+    assert luck["systematic"] == [("type 0 p", 5, 6)]
+    # More than half of 6 below: P(K >= 4) at 10 %; at least half: P(K >= 3).
+    low, high = luck["expected_types_below"]
+    assert low == pytest.approx(40 * 0.00127, rel=0.01) and high == pytest.approx(40 * 0.01585, rel=0.01)
+    # Three seeds: P(K >= 2) = 3p^2 - 2p^3, and no type can be named.
+    three = bench.lottery([r for r in results if r["case"]["seed"] < 3])
+    assert three["expected_types_below"][0] == pytest.approx(three["expected_types_below"][1])
+    assert three["systematic"] == []
+
+
 def test_clocks_pass_keeps_the_least_total_energy_clock_on_the_front():
     # Llama 3.2 3B CP2+TP4 s8192 b8 bwd_a_ag, seed 2: every configuration is within 0.25 % of the
     # front, and the least total energy is at 1050 MHz. Before the clocks pass the search measured
