@@ -255,12 +255,17 @@ def _ratio(scores: dict) -> float:
     return min(scores["hv_effective"], scores["hv_total"])
 
 
-def _type_medians(results: list[dict], value: Callable[[dict], float]) -> dict[tuple, float]:
-    """Per partition type (configuration, partition), the median over seeds of `value(result)`."""
+def _per_type(results: list[dict], value: Callable[[dict], float]) -> dict[tuple, list[float]]:
+    """Per partition type (configuration, partition), `value(result)` of each of its seeds."""
     per_type: dict[tuple, list[float]] = {}
     for r in results:
         per_type.setdefault((r["config"], r["case"]["partition"]), []).append(value(r))
-    return {k: statistics.median(v) for k, v in per_type.items()}
+    return per_type
+
+
+def _type_medians(results: list[dict], value: Callable[[dict], float]) -> dict[tuple, float]:
+    """Per partition type, the median over seeds of `value(result)`."""
+    return {k: statistics.median(v) for k, v in _per_type(results, value).items()}
 
 
 def lottery(results: list[dict], method: str = "default") -> dict:
@@ -270,9 +275,7 @@ def lottery(results: list[dict], method: str = "default") -> dict:
     rate p, a type's count of searches below over its n seeds is binomial(n, p); its median is below
     when more than half are (for even n, when half are it may or may not be: the expected count is
     then a range)."""
-    below: dict[tuple, list[bool]] = {}
-    for r in results:
-        below.setdefault((r["config"], r["case"]["partition"]), []).append(_ratio(r["methods"][method]) < TARGET)
+    below = _per_type(results, lambda r: _ratio(r["methods"][method]) < TARGET)
     rate = sum(map(sum, below.values())) / len(results)
     low = high = 0.0
     for flags in below.values():
