@@ -175,19 +175,42 @@ def repair(measured: list[int], exhaustive_front: list[int], score: Callable[[li
     return steps
 
 
-def run_case(case: Case) -> dict:
+@dataclass(frozen=True)
+class Grid:
+    """One case's grid: every point's noise-free (time_s, energy_j) and the seed's noisy draw of it."""
+
+    space: SearchSpace
+    truth: np.ndarray
+    noisy: np.ndarray
+    p_static_w: float
+    name: str
+    size_class: str
+
+    def problem(self) -> Problem:
+        """The search problem that measures by looking the noisy draw up."""
+        lookup = {self.space.candidate(i): tuple(self.noisy[i]) for i in range(self.space.size)}
+        return Problem(self.name, self.space, lambda cs: [lookup[c] for c in cs], self.p_static_w, self.size_class)
+
+
+def grid(case: Case) -> Grid:
     gpu = get_gpu(case.gpu)
     workload = build_workload(get_preset(case.model), tp=case.tp, cp=case.cp, pp=1, seq_len=case.seq,
                               micro_batch_size=case.mbs)
     ptype = workload.partition_types[case.partition]
     space = SearchSpace(gpu.search_clocks_mhz, tuple(ptype.comm_sms_grid), tuple(ptype.launch_slots))
-    candidates = [space.candidate(i) for i in range(space.size)]
     exact = Simulator(gpu)
     truth = np.array([(m.time_s, m.energy_j) for m in (
-        exact.partition(ptype, c.clock_mhz, c.comm_sms, c.launch_slot) for c in candidates)])
+        exact.partition(ptype, c.clock_mhz, c.comm_sms, c.launch_slot) for c in map(space.candidate, range(space.size)))])
     noisy = truth * np.maximum(1 + case.noise * case.noise_rng().standard_normal(truth.shape), 0.05)
-    lookup = {c: tuple(noisy[i]) for i, c in enumerate(candidates)}
-    problem = Problem(ptype.name, space, lambda cs: [lookup[c] for c in cs], gpu.p_static_w, ptype.size_class)
+    return Grid(space, truth, noisy, gpu.p_static_w, ptype.name, ptype.size_class)
+
+
+def run_case(case: Case) -> dict:
+    table = grid(case)
+    space, truth, noisy = table.space, table.truth, table.noisy
+    gpu = get_gpu(case.gpu)
+    candidates = [space.candidate(i) for i in range(space.size)]
+    problem = table.problem()
     planes = _planes(truth[:, 0], truth[:, 1], gpu.p_static_w)
     scales = [Normaliser.fit(plane) for plane in planes]
     optimum = [hypervolume(scale(plane)) for scale, plane in zip(scales, planes, strict=True)]
