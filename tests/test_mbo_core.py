@@ -342,9 +342,11 @@ def test_default_preset_does_not_stop_while_a_clock_is_unmeasured():
     assert result.evaluations < 0.2 * space.size  # and then it does stop
 
 
-def test_neighbours_pass_steps_from_the_front_to_a_configuration_the_surrogate_misjudges():
+def test_neighbours_pass_steps_from_the_front_to_a_configuration_the_surrogate_misjudges(monkeypatch):
+    from kareus.search import acquisition
     from kareus.search.acquisition import Planes, neighbours_rank
 
+    monkeypatch.setattr(acquisition, "LEAN_PROBE_COUNTS", 0)  # the stepping alone; the probes below
     # Two slots, three SM counts, three clocks. Measured: (6, a) at every clock (the front), and
     # two dominated points, (3, a) at 1410 and (9, a) at 1200. (6, b) was never measured.
     space = SearchSpace((1410, 1200, 1000), (3, 6, 9), ("a", "b"))
@@ -366,6 +368,30 @@ def test_neighbours_pass_steps_from_the_front_to_a_configuration_the_surrogate_m
     assert set(order[:len(near_front)]) == near_front
     # (3, b) and (9, b) are next to no front point: after, in the tie break's order.
     assert list(order[len(near_front):]) == [g for g in remaining[tie_break] if g not in near_front]
+
+
+def test_neighbours_pass_probes_each_slots_fewest_comm_sms_at_the_lean_end_clocks_first():
+    from kareus.search.acquisition import LEAN_PROBE_COUNTS, Planes, neighbours_rank
+
+    # Three clocks, four SM counts, two slots. Least total energy is predicted at 1200 MHz; the
+    # lowest clock is 1000. Measured: (6, a) at every clock and (3, a) at 1200 MHz.
+    assert LEAN_PROBE_COUNTS == 2
+    space = SearchSpace((1410, 1200, 1000), (12, 3, 9, 6), ("a", "b"))  # counts in any order
+    cell = {(c, s, k): (c * 4 + s) * 2 + k for c in range(3) for s in range(4) for k in range(2)}
+    three, six = 1, 3  # grid positions of 3 and 6 SMs
+    measured = np.array([cell[0, six, 0], cell[1, six, 0], cell[2, six, 0], cell[1, three, 0]])
+    time_s = np.array([1.0, 1.2, 1.5, 1.25])
+    effective = np.array([50.0, 20.0, 19.0, 21.0])  # total (85 W static): 135, 122, 146.5, 127.25
+    remaining = np.setdiff1d(np.arange(space.size), measured)
+    planes = Planes(time_s, effective, np.full(len(remaining), 2.0), np.full(len(remaining), 60.0), 85.0)
+    order = remaining[neighbours_rank(space, measured, planes, remaining, np.arange(len(remaining)))]
+    assert sorted(order) == sorted(remaining)
+    # Fewest counts first (3 SMs, then 6), each at the least-total-energy clock, then the lowest,
+    # each slot in turn; the measured ones skipped.
+    assert list(order[:5]) == [cell[1, three, 1], cell[2, three, 0], cell[2, three, 1],
+                               cell[1, six, 1], cell[2, six, 1]]
+    # Then the stepping from the front as before: 9 and 12 SMs are never probed.
+    assert not {cell[c, s, k] for c in (1, 2) for s in (0, 2) for k in (0, 1)} & set(order[:5])
 
 
 def test_transfer_carries_a_configuration_to_the_clocks_next_to_where_it_is_on_the_whole_front():

@@ -43,7 +43,12 @@ Each pass ranks every unmeasured point by one criterion computed from surrogate 
   of every measured point on the (time, total) or (time, effective) front, parents by their
   exclusive hypervolume contribution (largest gap first), round robin; a parent's neighbours by
   how few clocks their configuration was measured at (what the surrogate knows least), then by
-  total-energy HVI; then every other point by total-energy HVI.
+  total-energy HVI; then every other point by total-energy HVI. Before all of them come the lean
+  probes: each slot's two fewest comm-SM counts at the clock of least predicted total energy and
+  at the lowest clock. At the lean ends the compute is slow enough for a collective on few SMs to
+  hide under it while the compute keeps the most SMs, so the front there often runs along the
+  grid's fewest counts, an edge that stepping from the front reaches last and the trees never
+  predict (docs/optimizer.md, seventh pass: 138 → 107 of 1280 searches below 99 %).
 - `clocks` (default preset): under measurement noise a clock can lose every draw it has to luckier
   draws at its neighbours, and then holds no point of the measured front although it holds one of
   the true front. The exhaustive search, which measures every configuration at every clock, nearly
@@ -78,6 +83,8 @@ from kareus.search.problem import SearchSpace
 
 # Transfer: a vote's weight falls by 1/e every this many clock steps from the voting clock.
 TRANSFER_CLOCK_SCALE = 3.0
+# Neighbours: each slot's this many fewest comm-SM counts are probed at the lean-end clocks.
+LEAN_PROBE_COUNTS = 2
 # Transfer, many-configuration grids: a clock's vote for a point on its own front only.
 TRANSFER_OWN_CLOCK_VOTE = 0.3
 
@@ -305,6 +312,7 @@ def neighbours_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, re
     position = np.empty(len(remaining), dtype=int)
     position[tie_break] = np.arange(len(remaining))
     rc, rs, rk = clock_i[remaining], sms_i[remaining], slot_i[remaining]
+    probes = _lean_probes(space, measured, planes, remaining)
     # The surrogate knows least about a configuration measured at the fewest clocks.
     seen = np.bincount(space.configuration_index[measured], minlength=space.configurations)
     seen_at = seen[space.configuration_index[remaining]]
@@ -316,10 +324,26 @@ def neighbours_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, re
         found = np.flatnonzero(near)
         per_parent.append(found[np.lexsort((position[found], seen_at[found]))])
     order = [int(p) for group in itertools.zip_longest(*per_parent) for p in group if p is not None]
-    order = list(dict.fromkeys(order))
+    order = list(dict.fromkeys(probes + order))
     taken = set(order)
     rest = [int(p) for p in tie_break if int(p) not in taken]
     return np.asarray(order + rest, dtype=int)
+
+
+def _lean_probes(space: SearchSpace, measured: np.ndarray, planes: Planes, remaining: np.ndarray) -> list[int]:
+    """Positions in `remaining`: each slot's fewest comm-SM counts (`LEAN_PROBE_COUNTS`) at the
+    clock of least predicted total energy and at the lowest clock, fewest counts first."""
+    clock_i, sms_i, _ = space.axes
+    time_s, effective_j = _best_guess(space, measured, planes, remaining)
+    lean_clocks = dict.fromkeys((int(clock_i[int(np.argmin(effective_j + planes.p_static_w * time_s))]),
+                                 int(np.argmin(space.clocks_mhz))))
+    fewest = np.argsort(space.comm_sms, kind="stable")[:LEAN_PROBE_COUNTS]
+    rc, rs = clock_i[remaining], sms_i[remaining]
+    probes: list[int] = []
+    for count in fewest:
+        for clock in lean_clocks:  # `remaining` is in grid order, so each group is in slot order
+            probes.extend(int(p) for p in np.flatnonzero((rs == count) & (rc == clock)))
+    return probes
 
 
 def clocks_rank(space: SearchSpace, measured: np.ndarray, planes: Planes, remaining: np.ndarray) -> np.ndarray:

@@ -29,8 +29,9 @@ batches drops below `stop_epsilon`. Two presets:
   on grids with no more configurations than clocks, the additive surrogate (`additive.py`: a
   clock curve shared by all configurations plus offsets drifting smoothly with the clock) in
   place of the trees for every pass but the bootstrap uncertainty; on the other grids (trees)
-  a `neighbours` pass (15 %: the grid neighbours of the measured front, least-measured
-  configuration first) in place of `uncertainty`, and `clocks` 25 %.
+  a `neighbours` pass (15 %: each slot's fewest comm SMs at the lean-end clocks, then the grid
+  neighbours of the measured front, least-measured configuration first) in place of
+  `uncertainty`, and `clocks` 25 %.
 
 Progress is the hypervolume of the measured front, averaged over the (time, effective energy)
 and (time, total energy) planes, normalised with the bounds of the initial design so that it only
