@@ -133,6 +133,19 @@ def test_bench_oracle_shows_that_measuring_the_front_alone_loses_to_the_noise():
     assert summary["oracle_band"]["searches_below_target"] == 0
     assert summary["oracle_front"]["searches_below_target"] == 1
     assert summary["default"]["searches_below_target"] in (0, 1)
+    # The counterfactual adds exactly the noise-free front points the default search missed.
+    default = result["methods"]["default"]
+    missed = round((1 - default["front_points_measured"]) * front["evaluations"])
+    assert default["front_completed"]["evaluations"] == default["evaluations"] + missed
+    assert summary["default_front_completed"]["extra_evaluations"] == pytest.approx(missed / default["evaluations"])
+
+
+def test_bench_counts_the_noise_free_front_points_a_search_measured():
+    bench = _bench()
+    front = np.array([3, 5, 8, 13])
+    assert bench.front_points_measured([1, 3, 8, 9], front) == 0.5
+    assert bench.front_points_measured([], front) == 0.0
+    assert bench.front_points_measured([1], np.array([], dtype=int)) == 1.0
 
 
 def test_bench_ranked_oracle_measures_the_band_when_exact_and_strays_from_it_with_its_error():
