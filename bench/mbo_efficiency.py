@@ -285,11 +285,11 @@ def run_case(case: Case) -> dict:
     out["methods"]["default"]["repair"] = repair(
         measured["default"], _front(noisy, gpu.p_static_w), lambda chosen: min(ratios(chosen)),
         lambda i: (candidates[i], where(i)))
-    completed = sorted(set(measured["default"]) | {int(i) for i in true_front})
+    completed = sorted(set(measured["default"]) | set(true_front.tolist()))
     out["methods"]["default"]["front_completed"] = dict(
         zip(("hv_effective", "hv_total"), ratios(completed), strict=True), evaluations=len(completed))
     budget = out["methods"]["default"]["evaluations"]
-    subsets = {"band": nearest[:budget], "front": nearest[:int(np.count_nonzero(gap == 0))]}
+    subsets = {"band": nearest[:budget], "front": nearest[:len(true_front)]}
     draw = np.random.default_rng([case.seed, 1])
     for name, eps in WITHIN.items():
         inside = np.flatnonzero(gap <= eps)
@@ -363,13 +363,11 @@ def summarise(results: list[dict]) -> dict:
             "reached_target": f"{len(reached)}/{len(rows)}",
             "to_target": statistics.median(reached) if reached else None,
             "coverage": statistics.median(m["coverage"] for m in rows),
+            "front_points_measured": statistics.mean(m["front_points_measured"] for m in rows),
             "types_below_target_coverage": sorted(" ".join(k) for k, v in coverage_medians.items() if v < TARGET),
             "search_s_per_batch": statistics.median(
                 m["search_s"] / max(1, m["batches"]) for m in rows),
         }
-    for method in METHODS:
-        summary[method]["front_points_measured"] = statistics.mean(
-            r["methods"][method]["front_points_measured"] for r in results)
     completed = [r["methods"]["default"]["front_completed"] for r in results]
     summary["default_front_completed"] = {
         "searches_below_target": sum(_ratio(c) < TARGET for c in completed),
