@@ -228,6 +228,23 @@ def ranked_nearest(gap: np.ndarray, budget: int, error: float, rng: np.random.Ge
     return [int(i) for i in np.argsort(ranked, kind="stable")[:budget]]
 
 
+def hv_ratios(table: Grid) -> tuple[Callable[[list[int]], list[float]], list[float]]:
+    """How a set of measured grid points scores: the hypervolume of the noise-free cost of the
+    configurations on its noisy front, against the exhaustive search's, in the (time, effective
+    energy) and (time, total energy) planes (axes normalised by the whole grid). Returns that
+    function and the exhaustive search's hypervolumes."""
+    truth, noisy, p_static_w = table.truth, table.noisy, table.p_static_w
+    scales = [Normaliser.fit(plane) for plane in _planes(truth[:, 0], truth[:, 1], p_static_w)]
+
+    def true_hv(indices: list[int]) -> list[float]:
+        front = [indices[i] for i in _front(noisy[indices], p_static_w)]
+        sub = _planes(truth[front, 0], truth[front, 1], p_static_w)
+        return [hypervolume(scale(plane)) for scale, plane in zip(scales, sub, strict=True)]
+
+    exhaustive = true_hv(list(range(table.space.size)))
+    return (lambda indices: [hv / ref for hv, ref in zip(true_hv(indices), exhaustive, strict=True)]), exhaustive
+
+
 def run_case(case: Case) -> dict:
     table = grid(case)
     space, truth, noisy = table.space, table.truth, table.noisy
@@ -237,17 +254,7 @@ def run_case(case: Case) -> dict:
     planes = _planes(truth[:, 0], truth[:, 1], gpu.p_static_w)
     scales = [Normaliser.fit(plane) for plane in planes]
     optimum = [hypervolume(scale(plane)) for scale, plane in zip(scales, planes, strict=True)]
-
-    def true_hv(indices: list[int]) -> list[float]:
-        """HV of the *true* cost of the configurations on the measured (noisy) front."""
-        front = [indices[i] for i in _front(noisy[indices], gpu.p_static_w)]
-        sub = _planes(truth[front, 0], truth[front, 1], gpu.p_static_w)
-        return [hypervolume(scale(plane)) for scale, plane in zip(scales, sub, strict=True)]
-
-    exhaustive = true_hv(list(range(space.size)))
-
-    def ratios(indices: list[int]) -> list[float]:
-        return [hv / ref for hv, ref in zip(true_hv(indices), exhaustive, strict=True)]
+    ratios, exhaustive = hv_ratios(table)
 
     def coverage(indices: list[int]) -> list[float]:
         """HV of the true front of the measured configurations against the noise-free optimum."""
@@ -457,8 +464,8 @@ def print_table(summary: dict, cases_run: int, elapsed_s: float) -> None:
               f"{': ' + ', '.join(below) if below and method == 'default' else ''}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_case_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that choose the cases and how they run (`cases`), shared by the MBO benches."""
     parser.add_argument("--quick", action="store_true", help="two configurations instead of sixteen")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per partition type (default 3)")
     parser.add_argument("--noise", type=float, default=0.01, help="relative measurement noise (default 0.01)")
@@ -467,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default=GPU, help=f"simulated GPU (default {GPU}; held out: H100-SXM5-80GB, ...)")
     parser.add_argument("--models", metavar="M[,M...]", default=",".join(MODELS),
                         help=f"model presets (default {','.join(MODELS)}; --quick: the first at TP8, the last at CP2+TP4)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_case_arguments(parser)
     parser.add_argument("--partitions", metavar="P[,P...]",
                         help="only these partition types (e.g. fwd_ao_ar,bwd_o_ar: the single-slot grids)")
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bench_scripts import load
 
 from kareus.search.algorithms import Exhaustive, get_algorithm, minimize
 from kareus.search.indicators import Normaliser, hypervolume
@@ -65,17 +66,7 @@ def test_default_preset_finds_the_front_ridge_the_trees_mispredict(seed):
 
 
 def _bench():
-    """`bench/mbo_efficiency.py` loaded as a module (it is a script, not a package)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "bench" / "mbo_efficiency.py"
-    spec = importlib.util.spec_from_file_location("mbo_efficiency", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules[spec.name]
+    return load("mbo_efficiency")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
+from bench_scripts import load
 
 from kareus.search.problem import SearchSpace
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _load(name: str):
-    """A bench script as a module (they are scripts, not a package; the floor imports the MBO bench)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
 
 def _floor():
-    _load("mbo_efficiency")
-    return _load("search_floor")
+    return load("search_floor")
 
 
 SPACE = SearchSpace((900, 1000, 1100, 1200, 1300, 1400), (3, 6, 9, 12), ("a", "b", "c"))
@@ -84,7 +68,7 @@ def test_a_least_squares_fit_errs_by_sigma_root_p_over_n_at_the_measured_points(
 
 
 def test_floor_of_a_real_partition_type_reports_bias_and_errors():
-    bench = _load("mbo_efficiency")
+    bench = load("mbo_efficiency")
     floor = _floor()
     case = bench.Case("qwen3-1.7b", 4, 2, 4096, 8, "bwd_o_ar", 0, 0.01)  # 180 points, 10 configurations
     out = floor.floor_case(case, within=0.01)

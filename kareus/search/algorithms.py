@@ -316,11 +316,14 @@ class MultiPassMBO(Algorithm):
         return remaining[[position for position, _ in chosen]], [source for _, source in chosen], owed
 
 
+# The default preset's budget: one initial point per clock, batches of 2 % of the grid, at most 20 %.
+DEFAULT_BUDGET = GridBudget(init_per_clock=1, batch_fraction=0.02, max_fraction=0.2, sweep_max_share=0.3)
+
 PRESETS: dict[str, MBOSettings] = {
     "paper": MBOSettings(name="paper", budget=_paper_budget),
     "default": MBOSettings(
         name="default",
-        budget=GridBudget(init_per_clock=1, batch_fraction=0.02, max_fraction=0.2, sweep_max_share=0.3).for_problem,
+        budget=DEFAULT_BUDGET.for_problem,
         design="stratified",
         # The clocks pass in place of total, effective and extremes (fifth pass, docs/optimizer.md):
         # a clock of the predicted front whose draws the noise put off the measured front gets more.
@@ -329,7 +332,7 @@ PRESETS: dict[str, MBOSettings] = {
         # ridge they mispredict is found by stepping from the measured front instead.
         many_fractions={"transfer": 0.6, "neighbours": 0.15, "clocks": 0.25},
         trees=TreeSettings(max_depth=4, eta=0.3, rounds=40, monotone_clock=True),
-        max_grid_fraction=0.2,
+        max_grid_fraction=DEFAULT_BUDGET.max_fraction,
         transfer_max=0.75,
         carry_quotas=True,
         additive=AdditiveSettings(),
