@@ -6,7 +6,8 @@
    kube-scheduler of the pinned release, and the node network) — or joins one a caller already runs;
 2. Kareus's images (`make images`, cached by content) and the nodes (`node.RealNode`: the upstream
    kubelet, containerd and runc, kube-proxy, each node in its own network and mount namespace, the
-   images imported), then CoreDNS as kubeadm deploys it (`dns`), and waits until the nodes are Ready;
+   images imported), then CoreDNS as kubeadm deploys it (`dns`), and waits until the nodes are Ready
+   and hold their heartbeat leases;
    and the default StorageClass `standard`, whose claims get node-local volumes (`storage`, as
    kind's local-path-provisioner provides them);
 3. the Helm chart, rendered by the real Helm engine (helm-python-sdk embeds Helm's Go SDK) and
@@ -219,14 +220,19 @@ class DevCluster(Started):
         gpus = {node.spec.name: node.spec.gpus for node in self.nodes}
 
         def ready() -> bool:
-            """Ready, with the device plugin's GPUs allocatable (registered after the kubelet starts)."""
+            """Ready, with the device plugin's GPUs allocatable (registered after the kubelet starts) and the
+            node's heartbeat lease held (the kubelet creates it asynchronously, retrying with backoff until
+            the API server's kube-node-lease namespace exists, so Ready can come first on a loaded machine)."""
             assert self.control_plane is not None
             items = self.control_plane.get("/api/v1/nodes")["items"]
             ready_names = {n["metadata"]["name"] for n in items if any(
                 c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
                 and int(n["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) == gpus.get(
                     n["metadata"]["name"], -1)}
-            return set(gpus) <= ready_names
+            leases = self.control_plane.get("/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases")
+            held = {lease["metadata"]["name"] for lease in leases["items"]
+                    if lease.get("spec", {}).get("holderIdentity") == lease["metadata"]["name"]}
+            return set(gpus) <= ready_names & held
 
         self._wait("the nodes to be Ready", ready)
 
