@@ -234,7 +234,7 @@ class DevCluster(Started):
                     if lease.get("spec", {}).get("holderIdentity") == lease["metadata"]["name"]}
             return set(gpus) <= ready_names & held
 
-        self._wait("the nodes to be Ready", ready)
+        self._wait("the nodes to be Ready and hold their leases", ready)
 
     # ------------------------------------------------------------------ the chart
 
