@@ -16,8 +16,10 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kareus.runtime import Schedule, TrainConfig, run_rank
 from kareus.runtime.layer_ops import rope_inv_freq
 from kareus.runtime.model import INIT_STD, NORM_PARAMS, RESIDUAL_OUTPUTS, StageLayout, StageModel
+from kareus.runtime.parallel import init_distributed
 from kareus.workload.models import LLAMA31_ROPE, LLAMA32_ROPE, PRESETS, ModelShape, get_preset
 
 
@@ -95,3 +97,15 @@ def test_presets_carry_the_released_rope(preset, scaling):
     assert torch.allclose(ours, theirs.double(), rtol=1e-6, atol=0)  # transformers computes in fp32
     assert int((ours != plain).sum()) == 35  # of 64: the long wavelengths, up to `factor` times longer
     assert (plain / ours).max().item() == pytest.approx(scaling.factor)
+
+
+def test_tiny_learns_the_builtin_corpus_once_its_norms_start_at_one():
+    """The acceptance run: 150 steps at a constant 3e-3 (fp32, seed 0, the quickstart's CPU batch of 16
+    sequences of 64 bytes). With the norms at N(0, 0.02) it ended at 1.53; measured now 0.306, the curve
+    every 10 steps 5.58 3.46 2.52 2.15 1.84 1.52 1.01 0.75 0.58 0.42 0.40 0.39 0.34 0.32 0.34."""
+    torch.set_num_threads(1)
+    config = TrainConfig(shape=get_preset("tiny"), seq_len=64, micro_batch_size=8, num_microbatches=2, steps=150,
+                         seed=0, lr=3e-3, device="cpu")
+    result, _ = run_rank(init_distributed(config.layout, device="cpu"), config, Schedule.uniform(1, 2))
+    assert result.losses[0] == pytest.approx(math.log(256), abs=0.1)
+    assert result.losses[-1] < 0.5, result.losses[::10]
