@@ -95,7 +95,8 @@ def load_tokenizer(path: str | Path, eod_token: str | None = None):
     eod_id = tokenizer.token_to_id(token)
     if eod_id is None:
         raise KareusError(f"--eod-token {token!r}: not in the vocabulary of {file}", exit_code=EXIT_CONFIG)
-    name = config.get("name_or_path") or (path.name if path.is_dir() else file.parent.name or file.name)
+    # A model directory is known by its name (`meta-llama/Llama-3.1-8B` → Llama-3.1-8B); a lone file by its own.
+    name = config.get("name_or_path") or (file.parent.name if file.name == "tokenizer.json" else file.name)
     info = TokenizerInfo(str(name), str(path), tokenizer.get_vocab_size(with_added_tokens=True), token, eod_id)
     return tokenizer, info
 
