@@ -15,10 +15,11 @@ import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kareus.cli import main as cli_main
+from kareus.data.megatron import MegatronWriter, read_megatron_index, token_dtype
+from kareus.data.prepare import load_tokenizer, prepare
 from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.runtime import train
-from kareus.runtime.data import MegatronWriter, load_data, megatron_dtype, read_megatron_index
-from kareus.runtime.data_prepare import load_tokenizer, prepare
+from kareus.runtime.data import load_data
 from kareus.spec import load_job
 
 SENTENCES = ["the cat sees the red ball today .", "a dog likes energy with care .",
@@ -154,7 +155,7 @@ def test_prepared_dataset_reads_identically_through_megatron_core(tmp_path, inde
     assert all(np.array_equal(theirs[i], ours.sequence(i)) for i in range(len(theirs)))
     # megatron-core's token type choice for a vocabulary, as ours.
     for vocab in (tokenizer.get_vocab_size(), 65_499, 65_500, 128_256):
-        assert megatron_dtype(vocab) == np.dtype(indexed_dataset.DType.optimal_dtype(vocab))
+        assert token_dtype(vocab) == np.dtype(indexed_dataset.DType.optimal_dtype(vocab))
 
 
 def _job(tmp_path, model: dict, name: str = "prep") -> str:

@@ -9,7 +9,7 @@ smaller). A JSONL file (.jsonl, .json, .ndjson) has one document per line in its
 other files are plain text, one document per line (Megatron-LM's unit), or per file with
 --text-documents file. The tokenizer's end-of-document token follows every document. A progress
 bar shows on a terminal (stderr); the summary line gives documents, tokens and tokens/s
-(`kareus.runtime.data_prepare`).
+(`kareus.data.prepare`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kareus.runtime.data_prepare import prepare
+    from kareus.data.prepare import prepare
 
     if args.batch_documents < 1:
         raise KareusError(f"--batch-documents must be >= 1, got {args.batch_documents}", exit_code=EXIT_CONFIG)

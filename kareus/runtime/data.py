@@ -8,8 +8,8 @@ the name when it is not given):
   else `uint32` (`--data-dtype` overrides), memory-mapped — what nanoGPT and llm.c write.
 - `megatron`: Megatron-LM's indexed dataset, `PREFIX.bin` + `PREFIX.idx` (the path may be the prefix
   or either file); its documents, concatenated in order, are the stream (as Megatron's GPT dataset
-  packs them), the token type is the index's. `MegatronWriter` writes one (what `kareus data
-  prepare` uses); both are checked against megatron-core's `indexed_dataset` in the tests. A
+  packs them), the token type is the index's (`kareus.data.megatron` reads it; its writer is
+  what `kareus data prepare` uses; both are checked against megatron-core's in the tests). A
   `PREFIX.json` next to it (written by `kareus data prepare`) names the tokenizer and its
   vocabulary: a tokenizer larger than the model's vocabulary is refused before any id is read.
 - `bytes`: any other file, read as bytes, i.e. tokenized by the byte-level tokenizer (vocabulary
@@ -36,9 +36,6 @@ step N (`kareus.runtime.checkpoint`) reads what an uninterrupted run reads from 
 from __future__ import annotations
 
 import json
-import os
-import struct
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kareus.data import megatron
 from kareus.errors import EXIT_CONFIG, KareusError
 
 BYTE_VOCAB = 256
@@ -69,15 +67,6 @@ def builtin_corpus(num_sentences: int = 4000, seed: int = 1234) -> bytes:
 FORMATS = ("npy", "bin", "megatron", "bytes")
 ORDERS = ("random", "epochs")
 BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-# Megatron-LM's MMapIndexedDataset index (megatron/core/datasets/indexed_dataset.py): magic, version
-# 1, the token type's code, sequence and document counts, then their arrays.
-_MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
-_MEGATRON_HEADER_BYTES = len(_MEGATRON_MAGIC) + 8 + 1 + 8 + 8
-_MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-                    7: np.float32, 8: np.uint16}
-_MEGATRON_CODES = {np.dtype(t): code for code, t in _MEGATRON_DTYPES.items()}
-# Megatron's `DType.optimal_dtype`: uint16 below 65500 ids (its margin under 2^16), else int32.
-MEGATRON_UINT16_BELOW = 65500
 _CHECK_CHUNK = 1 << 24  # tokens per chunk of the whole-file vocabulary check
 
 
@@ -142,18 +131,11 @@ def builtin_corpus_allowed(vocab_size: int, proxy: bool) -> bool:
     return proxy or vocab_size == BYTE_VOCAB
 
 
-def metadata_path(path: str | Path) -> Path:
-    """`PREFIX.json` of a Megatron dataset given as its prefix or either of its files."""
-    path = Path(path)
-    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    return Path(f"{prefix}.json")
-
-
 def read_metadata(path: str | Path, vocab_size: int) -> dict | None:
     """The tokenizer record of the dataset at `path` (None without a `PREFIX.json`), refused when
     its vocabulary is larger than the model's: ids the embedding has no row for would appear in
     any later document, so the check does not wait for one."""
-    meta = metadata_path(path)
+    meta = megatron.metadata_path(path)
     if not meta.exists():
         return None
     try:
@@ -204,150 +186,9 @@ def _flat_bin(path: Path, dtype: type) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-@dataclass(frozen=True)
-class MegatronIndex:
-    """A Megatron-LM indexed dataset as its `.idx` describes it (megatron-core's `_IndexReader`)."""
-
-    dtype: np.dtype
-    sequence_lengths: np.ndarray  # int32, tokens per sequence
-    sequence_pointers: np.ndarray  # int64, byte offset of each sequence in the `.bin`
-    document_indices: np.ndarray  # int64, sequence index where each document starts (+ the end)
-    bin_path: Path
-
-    def tokens(self) -> np.ndarray:
-        """The `.bin` as one stream of ids (memory-mapped)."""
-        total = int(np.sum(self.sequence_lengths, dtype=np.int64))
-        return np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(total,)) if total else \
-            np.zeros(0, dtype=self.dtype)
-
-    def sequence(self, i: int) -> np.ndarray:
-        """Sequence `i` as megatron-core's `IndexedDataset[i]` returns it."""
-        return np.memmap(self.bin_path, dtype=self.dtype, mode="r", offset=int(self.sequence_pointers[i]),
-                         shape=(int(self.sequence_lengths[i]),)) if self.sequence_lengths[i] else \
-            np.zeros(0, dtype=self.dtype)
-
-
-def read_megatron_index(path: str | Path) -> MegatronIndex:
-    """The index of the dataset at `path` (its prefix or either file), checked against its `.bin`:
-    the sequences must tile the file in order, which is what reading it as one stream assumes."""
-    path = Path(path)
-    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    index, data = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
-    with index.open("rb") as f:
-        header = f.read(_MEGATRON_HEADER_BYTES)
-    if len(header) < _MEGATRON_HEADER_BYTES or header[:9] != _MEGATRON_MAGIC:
-        raise ValueError(f"{index} is not a Megatron indexed dataset index (no MMIDIDX header)")
-    version, code, sequences, documents = struct.unpack("<QBQQ", header[9:])
-    if version != 1:
-        raise ValueError(f"{index}: index version {version}, this reader knows version 1")
-    if code not in _MEGATRON_DTYPES:
-        raise ValueError(f"{index}: unknown token type code {code}")
-    dtype = np.dtype(_MEGATRON_DTYPES[code])
-    if dtype.kind not in "iu":
-        raise ValueError(f"{index}: dtype {dtype.name}: token ids must be integers")
-    # Then sequence lengths (int32), pointers (int64), document indices (int64); a multimodal
-    # dataset's int8 modes may follow and are not read.
-    needed = _MEGATRON_HEADER_BYTES + 12 * sequences + 8 * documents
-    if index.stat().st_size < needed:
-        raise ValueError(f"{index}: {index.stat().st_size} bytes, its header promises {sequences} sequences "
-                         f"and {documents} document indices ({needed} bytes)")
-    offset = _MEGATRON_HEADER_BYTES
-    lengths = np.fromfile(index, dtype="<i4", count=sequences, offset=offset)
-    pointers = np.fromfile(index, dtype="<i8", count=sequences, offset=offset + 4 * sequences)
-    doc_index = np.fromfile(index, dtype="<i8", count=documents, offset=offset + 12 * sequences)
-    if sequences and (lengths.min() < 0 or pointers[0] != 0 or np.any(
-            np.diff(pointers) != lengths[:-1].astype(np.int64) * dtype.itemsize)):
-        raise ValueError(f"{index}: its sequences do not follow each other in {data} (pointers are not the "
-                         "running sum of the lengths)")
-    if documents and (doc_index[0] != 0 or doc_index[-1] != sequences or np.any(np.diff(doc_index) < 0)):
-        raise ValueError(f"{index}: document indices must rise from 0 to the {sequences} sequences")
-    total = int(np.sum(lengths, dtype=np.int64))
-    size = data.stat().st_size
-    if size != total * dtype.itemsize:
-        raise ValueError(f"{data} has {size} bytes, its index says {total} {dtype.name} tokens "
-                         f"({total * dtype.itemsize} bytes)")
-    return MegatronIndex(dtype, lengths, pointers, doc_index, data)
-
-
 def _megatron(path: Path) -> np.ndarray:
     """The `.bin` of a Megatron indexed dataset as one stream, after checking it against its `.idx`."""
-    return read_megatron_index(path).tokens()
-
-
-def megatron_dtype(vocab_size: int) -> np.dtype:
-    """The token type megatron-core picks for a tokenizer's vocabulary (`DType.optimal_dtype`)."""
-    return np.dtype(np.uint16 if vocab_size < MEGATRON_UINT16_BELOW else np.int32)
-
-
-class MegatronWriter:
-    """Writes a Megatron-LM indexed dataset one document at a time, each document one sequence
-    (what megatron-core's `IndexedDatasetBuilder.add_document` makes without sentence splitting).
-
-    Memory stays bounded whatever the corpus: tokens go to `PREFIX.bin` as they come, the
-    per-document lengths to a side file (4 bytes a document), and `close()` streams the index from
-    it in chunks. Files are written under temporary names and renamed by `close()`, so an
-    interrupted run leaves no dataset that looks whole."""
-
-    _CHUNK = 1 << 20  # sequences per chunk when the index is assembled
-
-    def __init__(self, prefix: str | Path, dtype: np.dtype | type) -> None:
-        self.prefix = Path(prefix)
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in _MEGATRON_CODES or self.dtype.kind not in "iu":
-            raise KareusError(f"Megatron token type must be an integer type of {sorted(str(d) for d in _MEGATRON_CODES)}, "
-                              f"got {self.dtype}", exit_code=EXIT_CONFIG)
-        self.prefix.parent.mkdir(parents=True, exist_ok=True)
-        self._bin_tmp = Path(f"{self.prefix}.bin.tmp")
-        self._lengths_tmp = Path(f"{self.prefix}.lengths.tmp")
-        self._bin = self._bin_tmp.open("wb")
-        self._lengths = self._lengths_tmp.open("wb")
-        self.documents = 0
-        self.tokens = 0
-        self._info = np.iinfo(self.dtype)
-
-    def add_document(self, ids: Iterable[int] | np.ndarray) -> None:
-        array = np.asarray(ids)
-        if array.size and (int(array.min()) < self._info.min or int(array.max()) > self._info.max):
-            raise KareusError(f"token ids {int(array.min())}..{int(array.max())} do not fit the dataset's "
-                              f"{self.dtype.name}",
-                              exit_code=EXIT_CONFIG)
-        self._bin.write(array.astype(self.dtype.newbyteorder("<"), copy=False).tobytes(order="C"))
-        self._lengths.write(np.int32(array.size).astype("<i4").tobytes())
-        self.documents += 1
-        self.tokens += int(array.size)
-
-    def close(self) -> tuple[Path, Path]:
-        """Finish the index; returns (`.bin`, `.idx`)."""
-        self._bin.close()
-        self._lengths.close()
-        n = self.documents
-        idx_tmp = Path(f"{self.prefix}.idx.tmp")
-        with idx_tmp.open("wb") as out:
-            out.write(_MEGATRON_MAGIC + struct.pack("<QBQQ", 1, _MEGATRON_CODES[self.dtype], n, n + 1))
-            lengths = np.memmap(self._lengths_tmp, dtype="<i4", mode="r", shape=(n,)) if n else np.zeros(0, "<i4")
-            for start in range(0, n, self._CHUNK):
-                out.write(np.ascontiguousarray(lengths[start:start + self._CHUNK]).tobytes())
-            pointer = 0
-            for start in range(0, n, self._CHUNK):
-                chunk = np.asarray(lengths[start:start + self._CHUNK], dtype=np.int64) * self.dtype.itemsize
-                ends = np.cumsum(chunk) + pointer
-                out.write((ends - chunk).astype("<i8").tobytes())
-                pointer = int(ends[-1])
-            for start in range(0, n + 1, self._CHUNK):
-                out.write(np.arange(start, min(start + self._CHUNK, n + 1), dtype="<i8").tobytes())
-            del lengths
-        bin_path, idx_path = Path(f"{self.prefix}.bin"), Path(f"{self.prefix}.idx")
-        os.replace(self._bin_tmp, bin_path)
-        os.replace(idx_tmp, idx_path)
-        self._lengths_tmp.unlink()
-        return bin_path, idx_path
-
-    def abort(self) -> None:
-        """Drop what was written (an error mid-way)."""
-        self._bin.close()
-        self._lengths.close()
-        for tmp in (self._bin_tmp, self._lengths_tmp, Path(f"{self.prefix}.idx.tmp")):
-            tmp.unlink(missing_ok=True)
+    return megatron.read_megatron_index(path).tokens()
 
 
 def _check_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:

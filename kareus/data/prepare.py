@@ -17,7 +17,7 @@ else int32.
 
 Memory is bounded: documents are read and encoded `batch_documents` at a time (`encode_batch`
 runs them on the library's thread pool, `RAYON_NUM_THREADS` caps it) and written straight to the
-`.bin` (`kareus.runtime.data.MegatronWriter`). `PREFIX.json` records the tokenizer (name, path,
+`.bin` (`kareus.data.megatron.MegatronWriter`). `PREFIX.json` records the tokenizer (name, path,
 vocabulary size, end-of-document id) and the counts; `kareus train` reads it to refuse a
 tokenizer larger than the model's vocabulary.
 """
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kareus.data.megatron import MegatronWriter, metadata_path, token_dtype
 from kareus.errors import EXIT_CONFIG, KareusError
-from kareus.runtime.data import MegatronWriter, megatron_dtype, metadata_path
 
 # End-of-document tokens of common tokenizers, in the order they are tried: Llama 3, GPT-2 / Qwen /
 # many BPEs, Llama 2 / Mistral / T5 (SentencePiece), Gemma.
@@ -168,7 +168,7 @@ def prepare(tokenizer_path: str | Path, inputs: Sequence[str | Path], out_prefix
     if batch_documents < 1:
         raise KareusError(f"batch_documents must be >= 1, got {batch_documents}", exit_code=EXIT_CONFIG)
     tokenizer, info = load_tokenizer(tokenizer_path, eod_token)
-    dtype = megatron_dtype(info.vocab_size)
+    dtype = token_dtype(info.vocab_size)
     start = time.perf_counter()
     writer = MegatronWriter(out_prefix, dtype)
     skipped = 0
