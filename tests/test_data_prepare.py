@@ -15,6 +15,7 @@ import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kareus.cli import main as cli_main
+from kareus.data import megatron
 from kareus.data.megatron import MegatronWriter, read_megatron_index, token_dtype
 from kareus.data.prepare import load_tokenizer, prepare
 from kareus.errors import EXIT_CONFIG, KareusError
@@ -124,6 +125,7 @@ def test_our_writer_and_megatron_cores_builder_make_the_same_files(tmp_path, mon
     high = 65_000 if dtype == np.uint16 else 150_000
     documents = [rng.integers(0, high, int(rng.integers(0, 40))) for _ in range(25)]  # empty ones too
     monkeypatch.setattr(MegatronWriter, "_CHUNK", 4)  # the index assembled in many chunks, as for a big corpus
+    monkeypatch.setattr(megatron, "_CHECK_CHUNK", 3)  # and checked in many when read
     writer = MegatronWriter(tmp_path / "ours", dtype)
     for document in documents:
         writer.add_document(document)
@@ -142,6 +144,13 @@ def test_our_writer_and_megatron_cores_builder_make_the_same_files(tmp_path, mon
     ours_reading_theirs = read_megatron_index(tmp_path / "theirs")
     assert all(np.array_equal(ours_reading_theirs.sequence(i), d) for i, d in enumerate(documents))
     assert np.array_equal(load_data(tmp_path / "theirs", 200_000).tokens, np.concatenate(documents))
+    # Sequences that do not tile the `.bin` in order cannot be read as one stream: refused.
+    idx = bytearray((tmp_path / "ours.idx").read_bytes())
+    pointer = megatron.HEADER_BYTES + 4 * len(documents) + 8 * 20
+    idx[pointer:pointer + 8] = (int.from_bytes(idx[pointer:pointer + 8], "little") + 2).to_bytes(8, "little")
+    (tmp_path / "ours.idx").write_bytes(bytes(idx))
+    with pytest.raises(KareusError, match=r"ours\.idx: its sequences do not follow each other"):
+        load_data(tmp_path / "ours", 200_000)
 
 
 def test_prepared_dataset_reads_identically_through_megatron_core(tmp_path, indexed_dataset):

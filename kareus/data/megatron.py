@@ -34,6 +34,7 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 CODES = {np.dtype(t): code for code, t in DTYPES.items()}
 # Megatron's `DType.optimal_dtype`: uint16 below 65500 ids (its margin under 2^16), else int32.
 UINT16_BELOW = 65500
+_CHECK_CHUNK = 1 << 22  # index entries per chunk of the checks
 
 
 def metadata_path(path: str | Path) -> Path:
@@ -90,22 +91,35 @@ def read_megatron_index(path: str | Path) -> MegatronIndex:
     if index.stat().st_size < needed:
         raise ValueError(f"{index}: {index.stat().st_size} bytes, its header promises {sequences} sequences "
                          f"and {documents} document indices ({needed} bytes)")
-    offset = HEADER_BYTES
-    lengths = np.fromfile(index, dtype="<i4", count=sequences, offset=offset)
-    pointers = np.fromfile(index, dtype="<i8", count=sequences, offset=offset + 4 * sequences)
-    doc_index = np.fromfile(index, dtype="<i8", count=documents, offset=offset + 12 * sequences)
-    if sequences and (lengths.min() < 0 or pointers[0] != 0 or np.any(
-            np.diff(pointers) != lengths[:-1].astype(np.int64) * dtype.itemsize)):
-        raise ValueError(f"{index}: its sequences do not follow each other in {data} (pointers are not the "
-                         "running sum of the lengths)")
-    if documents and (doc_index[0] != 0 or doc_index[-1] != sequences or np.any(np.diff(doc_index) < 0)):
+    # Mapped, not loaded: a corpus of 10^8 documents has 2 GB of index, and every rank opens it.
+    lengths, pointers, doc_index = (
+        np.memmap(index, dtype=kind, mode="r", offset=start, shape=(count,)) if count else np.zeros(0, kind)
+        for kind, start, count in (("<i4", HEADER_BYTES, sequences),
+                                   ("<i8", HEADER_BYTES + 4 * sequences, sequences),
+                                   ("<i8", HEADER_BYTES + 12 * sequences, documents)))
+    total = _check_tiling(index, data, dtype, lengths, pointers)
+    if documents and (doc_index[0] != 0 or doc_index[-1] != sequences or any(
+            np.any(np.diff(doc_index[a:a + _CHECK_CHUNK + 1]) < 0) for a in range(0, documents, _CHECK_CHUNK))):
         raise ValueError(f"{index}: document indices must rise from 0 to the {sequences} sequences")
-    total = int(np.sum(lengths, dtype=np.int64))
     size = data.stat().st_size
     if size != total * dtype.itemsize:
         raise ValueError(f"{data} has {size} bytes, its index says {total} {dtype.name} tokens "
                          f"({total * dtype.itemsize} bytes)")
     return MegatronIndex(dtype, lengths, pointers, doc_index, data)
+
+
+def _check_tiling(index: Path, data: Path, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray) -> int:
+    """Tokens in all sequences, after checking, a chunk at a time, that each starts where the one
+    before it ends (the running sum of the lengths): what reading the `.bin` as one stream assumes."""
+    running = 0
+    for start in range(0, lengths.size, _CHECK_CHUNK):
+        chunk = np.asarray(lengths[start:start + _CHECK_CHUNK], dtype=np.int64)
+        ends = np.cumsum(chunk) + running
+        if chunk.min() < 0 or np.any(np.asarray(pointers[start:start + _CHECK_CHUNK]) != (ends - chunk) * dtype.itemsize):
+            raise ValueError(f"{index}: its sequences do not follow each other in {data} (pointers are not the "
+                             "running sum of the lengths)")
+        running = int(ends[-1])
+    return running
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
