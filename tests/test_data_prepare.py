@@ -117,6 +117,9 @@ def test_bad_inputs_name_the_field(tmp_path, capsys):
     assert cli_main(["data", "prepare", "--tokenizer", str(tmp_path / "nope"), "--input", str(tmp_path / "bad.jsonl"),
                      "--out", str(tmp_path / "x")]) == EXIT_CONFIG
     assert "--tokenizer" in capsys.readouterr().err
+    (tmp_path / "latin1.txt").write_bytes("w1\ncaf\xe9 w2\n".encode("latin-1"))
+    with pytest.raises(KareusError, match=r"--input .*latin1\.txt:2: not UTF-8 text"):
+        prepare(tmp_path / "tok.json", [tmp_path / "latin1.txt"], tmp_path / "y")
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])

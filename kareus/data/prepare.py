@@ -129,17 +129,26 @@ def iter_documents(inputs: Sequence[str | Path], text_key: str = "text", text_do
     for path in map(Path, inputs):
         jsonl = path.suffix.lower() in JSONL_SUFFIXES
         if not jsonl and text_documents == "file":
-            text = path.read_text(encoding="utf-8")
+            text = _utf8(path.read_bytes(), path, None)
             report(path.stat().st_size)
             yield text
             continue
         with path.open("rb") as f:
             for number, raw in enumerate(f, start=1):
                 report(len(raw))
-                line = raw.decode("utf-8", errors="strict").rstrip("\r\n")
+                line = _utf8(raw, path, number).rstrip("\r\n")
                 if not line.strip():
                     continue
                 yield _json_text(line, path, number, text_key) if jsonl else line
+
+
+def _utf8(raw: bytes, path: Path, number: int | None) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        where = f"{path}:{number}" if number is not None else str(path)
+        raise KareusError(f"--input {where}: not UTF-8 text ({error.reason} at byte {error.start})",
+                          exit_code=EXIT_CONFIG) from None
 
 
 def _json_text(line: str, path: Path, number: int, text_key: str) -> str:
