@@ -32,6 +32,7 @@ COMMANDS: tuple[tuple[str, str, str | None], ...] = (
     ("sim", "sim_power_budget", "sim"),
     ("sim", "sim_calibrate", "sim"),
     ("clock", "clock", "clock"),
+    ("data", "data", "data"),
     ("dev-cluster", "dev_cluster", None),
     ("report", "report", None),
 )
@@ -40,6 +41,7 @@ GROUP_HELP = {
     "sim": "explore the simulated GPU",
     "plan": "inspect plans",
     "clock": "talk to the node daemon",
+    "data": "prepare training data (text in)",
 }
 
 
