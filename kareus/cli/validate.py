@@ -19,9 +19,10 @@ import json
 import sys
 
 from kareus.errors import EXIT_CONFIG
+from kareus.sim.gpus import get_gpu
 from kareus.spec import SpecError, load_job
 from kareus.spec.types import KareusJob
-from kareus.workload.memory import GIB, job_memory
+from kareus.workload.memory import GIB, memory_plan
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -67,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
                 line = str(item) if item.path == str(path) else f"{path}: {item}"
                 print(line, file=sys.stderr)
             continue
-        plan, gpu, refusal = job_memory(job) if args.memory_plan else (None, None, None)
+        plan = memory_plan(job) if args.memory_plan else None
+        gpu = get_gpu(job.spec.gpu_product) if plan else None
+        refusal = plan.fits(gpu) if plan else None
         all_fit = all_fit and refusal is None
         if args.json:
             memory = {"memory": _memory_json(plan, gpu, refusal)} if plan else {}

@@ -273,13 +273,3 @@ def _stage(inputs: MemoryInputs, stage: int, layers: int) -> StageMemory:
     merged = static | parts
     return StageMemory(stage, layers, name, {part: int(merged.get(part, 0)) for part in PARTS})
 
-
-def job_memory(job: Any) -> tuple[MemoryPlan, Any, str | None]:
-    """(plan, GPU, refusal) of a `JobSpec`/`KareusJob` on its `spec.gpu.product`: the refusal is None
-    when every rank fits, else the one line `kareus validate` prints and the operator's condition says."""
-    from kareus.sim.gpus import get_gpu
-
-    spec = getattr(job, "spec", job)
-    plan = memory_plan(spec)
-    gpu = get_gpu(spec.gpu_product)
-    return plan, gpu, plan.fits(gpu)

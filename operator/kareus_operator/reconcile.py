@@ -37,8 +37,9 @@ from kareus.override_policy import check_overrides
 from kareus.plan import Plan, reselect
 from kareus.policy import ClusterPolicy, check_job, load_policy
 from kareus.profiler.key import profile_key
+from kareus.sim.gpus import get_gpu
 from kareus.spec import JobSpec, SpecError, parse_job
-from kareus.workload.memory import job_memory
+from kareus.workload.memory import memory_plan
 from kareus_operator import conditions as cond
 from kareus_operator import manifests as mf
 from kareus_operator.admission_check import rejection
@@ -299,7 +300,7 @@ class Reconciler:
         if self.settings.memory_check == "off" or p.true("Profiled"):
             return False
         try:
-            _, _, refusal = job_memory(spec)
+            refusal = memory_plan(spec).fits(get_gpu(spec.gpu_product))
         except KareusError as error:  # an unplannable spec: the spec's own checks should have caught it
             refusal = f"no memory plan: {error}"
         if refusal is None:
