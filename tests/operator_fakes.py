@@ -76,9 +76,6 @@ def settings_env(state_dir: Path, *, step_s: float = 0.05, steps: int = 4, phase
         "KAREUS_OPERATOR_PROGRESS_INTERVAL_S": "0.2",
         # A killed leader's Lease expires in 4 s (production: 15 s), so restarts hand over quickly.
         "KAREUS_OPERATOR_LEASE_DURATION_S": "4",
-        # The fakes rehearse the phase machine on examples/quickstart.yaml, whose Llama 3.2 3B at
-        # microbatch 8 x 4096 does not fit the A100-40GB it names (kareus validate): say so, go on.
-        "KAREUS_OPERATOR_MEMORY_CHECK": "warn",
     }
     return env
 

@@ -74,13 +74,23 @@ async def test_a_cpu_proxy_job_is_planned_for_its_gpu_model():
     assert condition(outcome.status, "Failed")["reason"] == "DoesNotFit"
 
 
-async def test_warn_says_so_and_goes_on():
+async def test_warn_says_so_once_and_goes_on():
     kube, outcome = await reconcile(llama70b_tp2("warned"), memory_check="warn")
-    fits = condition(outcome.status, "MemoryFits")
-    assert (fits["status"], fits["reason"]) == ("False", "DoesNotFit")
-    assert [r for _, r, _ in outcome.events if r == "DoesNotFit"] == ["DoesNotFit"]
+    warnings = [(t, m) for t, r, m in outcome.events if r == "DoesNotFit"]
+    assert len(warnings) == 1 and warnings[0][0] == "Warning" and warnings[0][1].startswith("stage 0 rank needs ")
     assert condition(outcome.status, "Failed") is None
     assert any(url.endswith("/jobs/warned-profile") for url in kube.created)
+    job = await kube.get(f"{JOBS}/warned")
+    job["status"] = outcome.status
+    rec = Reconciler(kube, Settings(memory_check="warn"), OperatorMetrics())
+    again = await rec.reconcile(job, now=NOW + 5)
+    assert not [r for _, r, _ in again.events if r == "DoesNotFit"]  # said once, on the admitting pass
+
+
+async def test_off_skips_the_plan():
+    _, outcome = await reconcile(llama70b_tp2("unchecked"), memory_check="off")
+    assert condition(outcome.status, "Failed") is None
+    assert all(reason != "DoesNotFit" for _, reason, _ in outcome.events)
 
 
 def test_the_setting_takes_three_values():

@@ -16,7 +16,7 @@ from typing import Any
 
 # The order in which conditions are listed in status (stable output, easy to read).
 CONDITION_ORDER = ("Suspended", "Profiled", "Planned", "Training", "Complete", "Failed",
-                   "BudgetExceeded", "ClockControlDegraded", "MemoryFits")
+                   "BudgetExceeded", "ClockControlDegraded")
 PHASES = ("Pending", "Profiling", "Optimizing", "Training", "Suspended", "Succeeded", "Failed")
 
 

@@ -295,7 +295,7 @@ class Reconciler:
 
     def _does_not_fit(self, p: _Pass, spec: JobSpec) -> bool:
         """Fail a job whose memory plan does not fit its GPU before any child exists (the message is
-        `kareus validate`'s line); with `memory_check: warn` say so and go on. Checked until the job
+        `kareus validate`'s line); with `memory_check: warn` a Warning Event says so and the job goes on. Checked until the job
         is first admitted (Profiled), like the policy: a running job is not failed by a new estimate."""
         if self.settings.memory_check == "off" or p.true("Profiled"):
             return False
@@ -306,9 +306,10 @@ class Reconciler:
         if refusal is None:
             return False
         if self.settings.memory_check == "warn":
-            if cond.find(p.conditions, "MemoryFits") is None:
-                p.events.append(("Warning", "DoesNotFit", refusal))
-            p.want("MemoryFits", False, "DoesNotFit", refusal)
+            # An Event on the pass that admits the job (no Profiled condition yet), not a condition:
+            # the job runs as if it fitted, and its conditions say only what it did.
+            if cond.find(p.conditions, "Profiled") is None:
+                p.events.append(("Warning", "DoesNotFit", f"{refusal} (memory check: warn, running anyway)"))
             return False
         p.want("Failed", True, "DoesNotFit", refusal)
         return True

@@ -111,8 +111,8 @@ class Settings:
     lease_duration_s: float = 15.0
     extra_pod_env: Mapping[str, str] = field(default_factory=dict)
     # A job whose memory plan (kareus.workload.memory) does not fit its GPU: `refuse` fails it before any
-    # child exists (reason DoesNotFit); `warn` says so in a MemoryFits=False condition and an Event and
-    # goes on (a CPU-proxy rehearsal of a job meant for larger GPUs); `off` skips the plan.
+    # child exists (reason DoesNotFit); `warn` says so in a Warning Event and goes on (the dev cluster:
+    # emulated GPUs train CPU proxies of jobs meant for real ones); `off` skips the plan.
     memory_check: str = "refuse"
 
     @classmethod
