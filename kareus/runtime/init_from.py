@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +139,10 @@ class KareusReader:
 
         target = {k: torch.empty(tuple(self.entries[k].size), dtype=self.entries[k].properties.dtype) for k in keys}
         # no_dist: every rank reads what it needs on its own, whatever process group it is in
-        dcp.load(target, storage_reader=self._reader(str(self.path)), no_dist=True)
+        # (DCP warns that it then assumes one process: that is the intent).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(target, storage_reader=self._reader(str(self.path)), no_dist=True)
         return [target[k] for k in keys]
 
     def full(self, name: str) -> Tensor:
