@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -351,19 +351,34 @@ class HFCheckpoint:
     def dims(self, tensor: str) -> tuple[int, ...]:
         return tuple(self._file(tensor).get_slice(tensor).get_shape())
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Unmap the files. The reads go through a memory map, and every page a read touched
+        counts in the process's resident memory while it stays mapped (a column slice touches all
+        of a tensor's pages): releasing after each parameter keeps that to one tensor."""
         self._handles.clear()
+
+    close = release
 
 
 def read_param(ckpt: HFCheckpoint, name: str, shape: ModelShape, tp: int = 1, tp_rank: int = 0) -> Tensor:
     """Tensor-parallel rank `tp_rank`'s slice of Kareus parameter `name` (what
     `kareus.runtime.model.shard` cuts from the full tensor), reading only that slice."""
+    try:
+        return _read_param(ckpt, name, shape, tp, tp_rank)
+    finally:
+        ckpt.release()
+
+
+def _read_param(ckpt: HFCheckpoint, name: str, shape: ModelShape, tp: int, tp_rank: int) -> Tensor:
     names = hf_names(name)
     base = name.rsplit(".", 1)[-1]
     _check_dims(ckpt, name, names, shape)
+    # Every result has its own storage (a concatenation, or a clone): a tensor safetensors hands
+    # out may be a view of the file's memory map, which would keep the map, and every page any
+    # read touched, resident for the whole run.
     if tp == 1 or base not in ("qkv", "fc1", "proj", "fc2"):
         pieces = [ckpt.tensor(t) for t in names]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
     local = LocalShape.of(shape, tp)
     if base == "qkv":
         sizes = (local.num_heads * shape.head_dim, local.num_kv_heads * shape.head_dim,
@@ -373,7 +388,7 @@ def read_param(ckpt: HFCheckpoint, name: str, shape: ModelShape, tp: int = 1, tp
         n = local.ffn_hidden_size
         return torch.cat([ckpt.rows(t, tp_rank * n, (tp_rank + 1) * n) for t in names])
     columns = ckpt.dims(names[0])[1] // tp
-    return ckpt.columns(names[0], tp_rank * columns, (tp_rank + 1) * columns)
+    return ckpt.columns(names[0], tp_rank * columns, (tp_rank + 1) * columns).clone()
 
 
 def _check_dims(ckpt: HFCheckpoint, name: str, names: tuple[str, ...], shape: ModelShape) -> None:
@@ -400,6 +415,3 @@ def hf_dims(name: str, shape: ModelShape) -> tuple[tuple[int, ...], ...]:
     }
     return table[base]
 
-
-def with_name(shape: ModelShape, name: str) -> ModelShape:
-    return replace(shape, name=name)
