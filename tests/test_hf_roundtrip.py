@@ -142,3 +142,27 @@ def test_a_mismatched_config_is_one_error_naming_every_field_exit_78(tmp_path, c
     assert len(err) == 1
     assert "num_key_value_heads: checkpoint 4, job 2" in err[0]
     assert "intermediate_size: checkpoint 128, job 64" in err[0]
+
+
+def test_the_runs_own_checkpoint_wins_over_init_from(tmp_path, caplog):
+    """A restarted run resumes its own work: --init-from (here not even this model) is not read."""
+    job = parse_job(yaml.safe_load(_job(tmp_path / "job.yaml", "wins", 1, 1).read_text()))
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(0).integers(0, VOCAB, 2048).astype(np.int32))
+    common = {"job_name": job.name, "data_path": str(data), "checkpoint_dir": str(tmp_path / "ck"), "device": "cpu"}
+    train(job, steps=1, checkpoint_every=1, **common)
+    other = tmp_path / "other"
+    other.mkdir()
+    transformers.LlamaConfig(**{**HF_SHAPE, "num_key_value_heads": 4}).save_pretrained(other)
+    with caplog.at_level("INFO", logger="kareus.runtime"):
+        result = train(job, steps=2, init_from=str(other), **common)
+    assert result.first_step == 1 and len(result.losses) == 1
+    assert "holds a checkpoint of this run, which wins" in caplog.text
+
+
+def test_export_refuses_a_missing_step_and_a_bad_size(tmp_path, capsys):
+    (tmp_path / "ck").mkdir()
+    assert cli_main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "out")]) == EXIT_CONFIG
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert cli_main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "out"), "--shard-size", "5 parsecs"]) == 2
+    assert "--shard-size: '5 parsecs' is not a size" in capsys.readouterr().err
