@@ -166,3 +166,25 @@ def test_export_refuses_a_missing_step_and_a_bad_size(tmp_path, capsys):
     assert "no complete checkpoint" in capsys.readouterr().err
     assert cli_main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "out"), "--shard-size", "5 parsecs"]) == 2
     assert "--shard-size: '5 parsecs' is not a size" in capsys.readouterr().err
+
+
+def test_a_qwen3_model_with_tied_embeddings_exports_as_qwen3(tmp_path):
+    """q/k norms and one shared embedding survive the trip (no lm_head written), TP1 in-process."""
+    torch.manual_seed(1)
+    config = transformers.Qwen3Config(**{**HF_SHAPE, "tie_word_embeddings": True})
+    hf = tmp_path / "qwen3"
+    transformers.Qwen3ForCausalLM(config).save_pretrained(hf)
+    model = {**SPEC_MODEL, "qkNorm": True, "tiedEmbeddings": True}
+    job = parse_job(yaml.safe_load(_job(tmp_path / "job.yaml", "qwen", 1, 1, model).read_text()))
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.random.default_rng(0).integers(0, VOCAB, 2048).astype(np.int32))
+    train(job, job_name=job.name, steps=1, lr=0.0, init_from=str(hf), data_path=str(data), device="cpu",
+          checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1)
+    assert cli_main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["tie_word_embeddings"] is True
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    assert "model.layers.1.self_attn.q_norm.weight" in index["weight_map"]
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    assert (_logits(tmp_path / "out", tokens) - _logits(hf, tokens)).abs().max() < 1e-5
