@@ -92,8 +92,9 @@ def measure(directory: str, tp: int, tp_rank: int, pp: int, stage: int, dtype_na
     load_s = time.perf_counter() - started
     # Reads may be lazy (pages of a memory-mapped file come in when first touched): touch every
     # weight, so the peak counts all of the shard, as training's first step would.
+    # (In chunks: a whole bf16 embedding cast to fp32 would itself be twice the tensor.)
     with torch.no_grad():
-        checksum = float(sum(p.float().sum() for p in model.parameters()))
+        checksum = sum(float(c.float().sum()) for p in model.parameters() for c in p.flatten().split(1 << 20))
     peak = _status_kib("VmHWM")
     shard = sum(p.numel() * p.element_size() for p in model.parameters())
     from kareus.runtime import hf_adapter

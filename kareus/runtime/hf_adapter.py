@@ -19,9 +19,11 @@ RoPE needs no permutation: Hugging Face's Llama rotates (first half, second half
 
 Sliced reads. `read_param` returns only one tensor-parallel rank's slice of a Kareus parameter,
 reading from the safetensors files only the rows (QKV heads, FC1 halves) or columns (projection,
-FC2) that rank holds, through `safe_open(...).get_slice`. Replicated tensors (norms, embedding,
-output) are read whole. So a rank that loads its stage this way holds at most its shard plus one
-full tensor at any time — the same bound as `kareus.runtime.model`'s random initialisation.
+FC2) that rank holds, through `safe_open(...).get_slice`, straight into the tensor it returns, one
+64 MiB block of the file at a time, unmapping the file after each block. Replicated tensors (norms,
+embedding, output) are read whole, in the same blocks. So a rank that loads its stage this way holds
+its shard plus one read block — within the shard-plus-one-full-tensor bound of
+`kareus.runtime.model`'s random initialisation.
 """
 
 from __future__ import annotations
@@ -339,30 +341,49 @@ class HFCheckpoint:
             self._handles[file] = safe_open(str(self.directory / file), framework="pt")
         return self._handles[file]
 
-    def tensor(self, tensor: str) -> Tensor:
-        return self._file(tensor).get_tensor(tensor)
-
-    def rows(self, tensor: str, start: int, stop: int) -> Tensor:
-        return self._file(tensor).get_slice(tensor)[start:stop]
-
-    def columns(self, tensor: str, start: int, stop: int) -> Tensor:
-        return self._file(tensor).get_slice(tensor)[:, start:stop]
-
     def dims(self, tensor: str) -> tuple[int, ...]:
         return tuple(self._file(tensor).get_slice(tensor).get_shape())
 
+    def dtype(self, tensor: str) -> torch.dtype:
+        code = self._file(tensor).get_slice(tensor).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise KareusError(f"{self.directory}: tensor {tensor} is {code}; allowed: "
+                              f"{', '.join(_SAFETENSORS_DTYPES)}", exit_code=EXIT_CONFIG)
+        return _SAFETENSORS_DTYPES[code]
+
+    def read_into(self, out: Tensor, tensor: str, rows: tuple[int, int], columns: tuple[int, int] | None) -> None:
+        """Copy rows `[a, b)` (and columns `[c, d)` of a matrix) of `tensor` into `out`, a block of
+        at most `READ_BLOCK_BYTES` of the file at a time, unmapping the file after each block.
+
+        The reads go through a memory map, and every page a read touched counts in the process's
+        resident memory while the file stays mapped (a column slice touches whole rows): so
+        besides `out` a read holds one block, never the tensor."""
+        dims = self.dims(tensor)
+        row_bytes = self.dtype(tensor).itemsize * (dims[1] if len(dims) > 1 else 1)
+        step = max(1, READ_BLOCK_BYTES // row_bytes)
+        start, stop = rows
+        for first in range(start, stop, step):
+            last = min(first + step, stop)
+            view = self._file(tensor).get_slice(tensor)
+            out[first - start:last - start] = view[first:last] if columns is None else view[first:last, slice(*columns)]
+            del view
+            self.release()
+
     def release(self) -> None:
-        """Unmap the files. The reads go through a memory map, and every page a read touched
-        counts in the process's resident memory while it stays mapped (a column slice touches all
-        of a tensor's pages): releasing after each parameter keeps that to one tensor."""
+        """Close (unmap) every file opened so far."""
         self._handles.clear()
 
     close = release
 
 
+READ_BLOCK_BYTES = 64 * 2**20
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
 def read_param(ckpt: HFCheckpoint, name: str, shape: ModelShape, tp: int = 1, tp_rank: int = 0) -> Tensor:
     """Tensor-parallel rank `tp_rank`'s slice of Kareus parameter `name` (what
-    `kareus.runtime.model.shard` cuts from the full tensor), reading only that slice."""
+    `kareus.runtime.model.shard` cuts from the full tensor), reading only that slice, in blocks,
+    straight into the one tensor it returns (its own storage, never a view of the file's map)."""
     try:
         return _read_param(ckpt, name, shape, tp, tp_rank)
     finally:
@@ -372,27 +393,38 @@ def read_param(ckpt: HFCheckpoint, name: str, shape: ModelShape, tp: int = 1, tp
 def _read_param(ckpt: HFCheckpoint, name: str, shape: ModelShape, tp: int, tp_rank: int) -> Tensor:
     names = hf_names(name)
     base = name.rsplit(".", 1)[-1]
-    _check_dims(ckpt, name, names, shape)
-    # Every result has its own storage (a concatenation, or a clone): a tensor safetensors hands
-    # out may be a view of the file's memory map, which would keep the map, and every page any
-    # read touched, resident for the whole run.
-    if tp == 1 or base not in ("qkv", "fc1", "proj", "fc2"):
-        pieces = [ckpt.tensor(t) for t in names]
-        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
-    local = LocalShape.of(shape, tp)
-    if base == "qkv":
-        sizes = (local.num_heads * shape.head_dim, local.num_kv_heads * shape.head_dim,
-                 local.num_kv_heads * shape.head_dim)
-        return torch.cat([ckpt.rows(t, tp_rank * n, (tp_rank + 1) * n) for t, n in zip(names, sizes, strict=True)])
-    if base == "fc1":
-        n = local.ffn_hidden_size
-        return torch.cat([ckpt.rows(t, tp_rank * n, (tp_rank + 1) * n) for t in names])
-    columns = ckpt.dims(names[0])[1] // tp
-    return ckpt.columns(names[0], tp_rank * columns, (tp_rank + 1) * columns).clone()
+    dims = hf_dims(name, shape)
+    _check_dims(ckpt, name, names, dims)
+    dtype = ckpt.dtype(names[0])
+    sharded = tp > 1 and base in ("qkv", "fc1", "proj", "fc2")
+    if sharded and base in ("proj", "fc2"):
+        n = dims[0][1] // tp
+        out = torch.empty((dims[0][0], n), dtype=dtype)
+        ckpt.read_into(out, names[0], (0, dims[0][0]), (tp_rank * n, (tp_rank + 1) * n))
+        return out
+    # Row-stacked pieces (q | k | v, gate | up): this rank's rows of each, one after the other.
+    local = LocalShape.of(shape, tp) if sharded else None
+    if local is None:
+        counts = [d[0] for d in dims]
+    elif base == "qkv":
+        counts = [local.num_heads * shape.head_dim, local.num_kv_heads * shape.head_dim,
+                  local.num_kv_heads * shape.head_dim]
+    else:
+        counts = [local.ffn_hidden_size] * 2
+    out = torch.empty((sum(counts), *dims[0][1:]), dtype=dtype)
+    filled = 0
+    for tensor, count in zip(names, counts, strict=True):
+        first = tp_rank * count if sharded else 0
+        ckpt.read_into(out[filled:filled + count], tensor, (first, first + count), None)
+        filled += count
+    return out
 
 
-def _check_dims(ckpt: HFCheckpoint, name: str, names: tuple[str, ...], shape: ModelShape) -> None:
-    expected = hf_dims(name, shape)
+def _check_dims(ckpt: HFCheckpoint, name: str, names: tuple[str, ...], expected: tuple[tuple[int, ...], ...]) -> None:
+    types = {ckpt.dtype(t) for t in names}
+    if len(types) > 1:
+        raise KareusError(f"{ckpt.directory}: the tensors of {name} have different types {sorted(map(str, types))}",
+                          exit_code=EXIT_CONFIG)
     for tensor, dims in zip(names, expected, strict=True):
         got = ckpt.dims(tensor)
         if got != dims:
