@@ -22,7 +22,7 @@ CORE = BASE | {"kareus.search", "kareus.workload", "kareus.spec", "kareus.policy
                "kareus.job", "kareus.objective", "kareus.plan", "kareus.profiler", "kareus.optimizer",
                "kareus.report", "kareus.daemon_client", "kareus.runtime", "kareus.launcher", "kareus.incluster",
                "kareus.straggler", "kareus.power_budget", "kareus.compressed", "kareus.override_policy",
-               "kareus.energy_ledger"}
+               "kareus.energy_ledger", "kareus.data"}
 
 # unit → the units it may import (besides itself). A unit is `kareus.<top-level module or package>`,
 # or one of the shells' packages.
@@ -38,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "kareus.compressed": {"kareus.errors"},
     "kareus.override_policy": {"kareus.errors"},
     "kareus.energy_ledger": {"kareus.errors"},
+    "kareus.data": {"kareus.errors"},
     "kareus.spec": {"kareus.errors", "kareus.workload"},
     "kareus.policy": {"kareus.errors", "kareus.spec", "kareus.override_policy", "kareus.energy_ledger"},
     "kareus.sim": {"kareus.errors", "kareus.workload"},
@@ -53,7 +54,8 @@ ALLOWED: dict[str, set[str]] = {
     "kareus.power_budget": BASE | {"kareus.objective", "kareus.plan", "kareus.policy", "kareus.sim"},
     "kareus.daemon_client": BASE,
     "kareus.runtime": BASE | {"kareus.workload", "kareus.spec", "kareus.sim", "kareus.gpu", "kareus.job",
-                              "kareus.objective", "kareus.plan", "kareus.daemon_client", "kareus.straggler"},
+                              "kareus.objective", "kareus.plan", "kareus.daemon_client", "kareus.straggler",
+                              "kareus.data"},
     # the shells
     "kareus.cli": CORE | {"kareus_operator", "kareus_devcluster"},
     "kareus.__main__": {"kareus.cli"},

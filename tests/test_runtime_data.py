@@ -172,7 +172,7 @@ def test_kareus_train_reads_a_megatron_dataset_and_refuses_one_beyond_the_vocabu
                      "megatron", "--json"]) == 0
     assert '"steps": 2' in capsys.readouterr().out
     write_megatron(tmp_path / "big", [[1, 2, 3] * 100, [256] * 10])
-    assert cli_main(["train", job_path, "--steps", "1", "--data", str(tmp_path / "big.bin")]) == 1
+    assert cli_main(["train", job_path, "--steps", "1", "--data", str(tmp_path / "big.bin")]) == 78  # retrying cannot fix it
     err = capsys.readouterr().err.strip()
     assert err.startswith("kareus: error: --data") and "(megatron, uint16): token ids must be in 0..255" in err
     assert "\n" not in err

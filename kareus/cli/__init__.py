@@ -34,6 +34,7 @@ COMMANDS: tuple[tuple[str, str, str | None], ...] = (
     ("sim", "sim_power_budget", "sim"),
     ("sim", "sim_calibrate", "sim"),
     ("clock", "clock", "clock"),
+    ("data", "data", "data"),
     ("dev-cluster", "dev_cluster", None),
     ("report", "report", None),
 )
@@ -43,6 +44,7 @@ GROUP_HELP = {
     "plan": "inspect plans",
     "clock": "talk to the node daemon",
     "model": "model shapes from published models",
+    "data": "prepare training data (text in)",
 }
 
 

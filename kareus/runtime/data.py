@@ -8,13 +8,18 @@ the name when it is not given):
   else `uint32` (`--data-dtype` overrides), memory-mapped — what nanoGPT and llm.c write.
 - `megatron`: Megatron-LM's indexed dataset, `PREFIX.bin` + `PREFIX.idx` (the path may be the prefix
   or either file); its documents, concatenated in order, are the stream (as Megatron's GPT dataset
-  packs them), the token type is the index's.
+  packs them), the token type is the index's (`kareus.data.megatron` reads it; its writer is
+  what `kareus data prepare` uses; both are checked against megatron-core's in the tests). A
+  `PREFIX.json` next to it (written by `kareus data prepare`) names the tokenizer and its
+  vocabulary: a tokenizer larger than the model's vocabulary is refused before any id is read.
 - `bytes`: any other file, read as bytes, i.e. tokenized by the byte-level tokenizer (vocabulary
   256, what the `tiny` preset uses).
 
 Every file is checked whole before training: integer ids, all below the model's vocabulary (a wrong
 `--data-dtype` shows up here). The built-in corpus is synthetic English generated from a small
 grammar with a fixed seed: repetitive enough that a tiny model's loss drops within a few dozen steps.
+It is byte-level, so it is only a corpus for a byte-level model (vocabulary 256, the `tiny` preset)
+or a CPU proxy; the trainer refuses a real model without data (`builtin_corpus_allowed`).
 
 Batches are windows of `seq_len + 1` tokens (inputs and next-token targets). From a token file
 (npy, bin, megatron) they are read in epochs, as Megatron-LM does: the file is cut into
@@ -30,6 +35,7 @@ step N (`kareus.runtime.checkpoint`) reads what an uninterrupted run reads from 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,9 +43,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kareus.errors import KareusError
+from kareus.data import megatron
+from kareus.errors import EXIT_CONFIG, KareusError
 
 BYTE_VOCAB = 256
+BUILTIN_SOURCE = "builtin-corpus"  # what train.jsonl's data_source says without --data
 _SUBJECTS = ("the cat", "a dog", "the old man", "my friend", "the engineer", "a small bird", "the GPU")
 _VERBS = ("sees", "likes", "builds", "finds", "trains", "follows", "measures")
 _OBJECTS = ("the red ball", "a new model", "the long road", "energy", "the clock", "a quiet river")
@@ -59,11 +67,6 @@ def builtin_corpus(num_sentences: int = 4000, seed: int = 1234) -> bytes:
 FORMATS = ("npy", "bin", "megatron", "bytes")
 ORDERS = ("random", "epochs")
 BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-# Megatron-LM's MMapIndexedDataset index (megatron/core/datasets/indexed_dataset.py): magic, version
-# 1, the token type's code, sequence and document counts, then their arrays.
-_MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
-_MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-                    7: np.float32, 8: np.uint16}
 _CHECK_CHUNK = 1 << 24  # tokens per chunk of the whole-file vocabulary check
 
 
@@ -73,6 +76,8 @@ class TokenData:
 
     tokens: np.ndarray  # flat integer ids, possibly memory-mapped
     format: str
+    source: str = BUILTIN_SOURCE  # the path as given, or the built-in corpus (not in `identity`: mounts move)
+    tokenizer: dict | None = None  # the dataset's `PREFIX.json` tokenizer record, when it has one
 
     @property
     def order(self) -> str:
@@ -97,12 +102,14 @@ def load_data(path: str | Path | None, vocab_size: int, data_format: str | None 
     """The token stream of `path` in `data_format` (None: from the name; see the module docstring)."""
     if path is None:
         return TokenData(np.frombuffer(builtin_corpus(), dtype=np.uint8), "builtin")
+    source = str(path)
     path = Path(path)
     data_format = data_format or infer_format(path)
     if data_format not in FORMATS:
         raise KareusError(f"--data-format must be one of {', '.join(FORMATS)}, got {data_format!r}")
     if dtype is not None and (data_format != "bin" or dtype not in BIN_DTYPES):
         raise KareusError(f"--data-dtype {dtype!r}: only for --data-format bin, one of {', '.join(BIN_DTYPES)}")
+    tokenizer = read_metadata(path, vocab_size) if data_format == "megatron" else None
     try:
         if data_format == "npy":
             tokens = _npy(path)
@@ -115,7 +122,34 @@ def load_data(path: str | Path | None, vocab_size: int, data_format: str | None 
     except (OSError, ValueError) as error:
         raise KareusError(f"--data {path}: cannot read tokens ({data_format}): {error}") from None
     _check_ids(tokens, vocab_size, f"--data {path} ({data_format}, {tokens.dtype})")
-    return TokenData(tokens, data_format)
+    return TokenData(tokens, data_format, source, tokenizer)
+
+
+def builtin_corpus_allowed(vocab_size: int, proxy: bool) -> bool:
+    """The built-in corpus is byte-level: a corpus for a byte-level model (the `tiny` preset's
+    vocabulary) or a CPU proxy (a plumbing run), never a stand-in for a real model's text."""
+    return proxy or vocab_size == BYTE_VOCAB
+
+
+def read_metadata(path: str | Path, vocab_size: int) -> dict | None:
+    """The tokenizer record of the dataset at `path` (None without a `PREFIX.json`), refused when
+    its vocabulary is larger than the model's: ids the embedding has no row for would appear in
+    any later document, so the check does not wait for one."""
+    meta = megatron.metadata_path(path)
+    if not meta.exists():
+        return None
+    try:
+        record = json.loads(meta.read_text())
+        tokenizer = record["tokenizer"]
+        tokenizer_vocab = int(tokenizer["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise KareusError(f"--data {path}: {meta} is not a `kareus data prepare` record ({error!r})",
+                          exit_code=EXIT_CONFIG) from None
+    if tokenizer_vocab > vocab_size:
+        raise KareusError(f"--data {path}: its tokenizer {tokenizer.get('name', '?')!r} has a vocabulary of "
+                          f"{tokenizer_vocab} ({meta}), larger than the model's {vocab_size}: the model's "
+                          f"vocabulary (spec.model vocab) must be at least the tokenizer's", exit_code=EXIT_CONFIG)
+    return tokenizer
 
 
 def infer_format(path: Path) -> str:
@@ -154,29 +188,7 @@ def _flat_bin(path: Path, dtype: type) -> np.ndarray:
 
 def _megatron(path: Path) -> np.ndarray:
     """The `.bin` of a Megatron indexed dataset as one stream, after checking it against its `.idx`."""
-    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    index, data = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
-    with index.open("rb") as f:
-        header = f.read(len(_MEGATRON_MAGIC) + 8 + 1 + 8 + 8)
-    if len(header) < 34 or header[:9] != _MEGATRON_MAGIC:
-        raise ValueError(f"{index} is not a Megatron indexed dataset index (no MMIDIDX header)")
-    version = int.from_bytes(header[9:17], "little")
-    code = header[17]
-    sequences = int.from_bytes(header[18:26], "little")
-    if version != 1:
-        raise ValueError(f"{index}: index version {version}, this reader knows version 1")
-    if code not in _MEGATRON_DTYPES:
-        raise ValueError(f"{index}: unknown token type code {code}")
-    dtype = np.dtype(_MEGATRON_DTYPES[code])
-    if dtype.kind not in "iu":
-        raise ValueError(f"{index}: dtype {dtype.name}: token ids must be integers")
-    lengths = np.memmap(index, dtype=np.int32, mode="r", offset=34, shape=(sequences,)) if sequences else []
-    total = int(np.sum(lengths, dtype=np.int64))
-    size = data.stat().st_size
-    if size != total * dtype.itemsize:
-        raise ValueError(f"{data} has {size} bytes, its index says {total} {dtype.name} tokens "
-                         f"({total * dtype.itemsize} bytes)")
-    return np.memmap(data, dtype=dtype, mode="r") if total else np.zeros(0, dtype=dtype)
+    return megatron.read_megatron_index(path).tokens()
 
 
 def _check_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:
@@ -187,7 +199,7 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:
     low, high = min(int(c.min()) for c in chunks), max(int(c.max()) for c in chunks)
     if low < 0 or high >= vocab_size:
         raise KareusError(f"{what}: token ids must be in 0..{vocab_size - 1} (the model's vocabulary), "
-                          f"found {low}..{high}")
+                          f"found {low}..{high}", exit_code=EXIT_CONFIG)
 
 
 @dataclass(frozen=True)

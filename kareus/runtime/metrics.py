@@ -2,7 +2,7 @@
 
 `StepRecord` is one iteration as rank 0 writes it to `DIR/train.jsonl` (one JSON object per line:
 step, loss, iteration_time_s, energy_j, tokens, tokens_per_joule, clock summary, plan revision,
-clock-control state, …).
+clock-control state, …; the first record also the data source).
 `MetricsExporter` is the rank-local Prometheus endpoint with the worker metrics of
 `kareus.metric_names`, served from its own registry (no global state), labelled with the rank and
 stage. Port 0 picks a free port (`exporter.port` says which); no port, no endpoint.
@@ -51,6 +51,8 @@ class StepRecord:
     replica_time_s: list[float] | None = None
     straggler_replica: int | None = None
     straggler_slowdown: float | None = None
+    # The run's first record names its token stream: the --data path as given, or "builtin-corpus".
+    data_source: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

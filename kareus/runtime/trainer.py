@@ -29,14 +29,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from kareus.daemon_client import ClockClient, DaemonError, NullClockClient, connect, open_connection
-from kareus.errors import KareusError
+from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.gpu.pairing import EnergyAttributionError
 from kareus.plan import plan_at_row
 from kareus.runtime import stopping
@@ -50,7 +50,7 @@ from kareus.runtime.checkpoint import (
 )
 from kareus.runtime.clocking import CudaProgress, HostProgress
 from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
-from kareus.runtime.data import Batcher, TokenData, load_data
+from kareus.runtime.data import Batcher, TokenData, builtin_corpus_allowed, load_data
 from kareus.runtime.energy import MeasuredEnergy, SimulatedEnergy, TwinEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
 from kareus.runtime.gradsync import all_reduce_bucketed
@@ -235,6 +235,12 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     torch.manual_seed(config.seed)
     cuda = ctx.device.type == "cuda"
     trained = config.trained_model(cuda)
+    # Before any weight is built: a real model's refusal should not wait for its parameters.
+    if config.data_path is None and not builtin_corpus_allowed(trained.shape.vocab_size, trained.proxy):
+        raise KareusError(f"model {trained.shape.name} (vocabulary {trained.shape.vocab_size}) has no training data: "
+                          "give --data (spec.training.data in a KareusJob), e.g. a `kareus data prepare` dataset; "
+                          "the built-in byte-level corpus is only for a byte-level model (vocabulary 256, the tiny "
+                          "preset) or a CPU proxy", exit_code=EXIT_CONFIG)
     if trained.proxy and ctx.rank == 0:
         log.info("training the CPU proxy %s (hidden %d, %d layers, %d tokens per sequence); time and energy are "
                  "%s's on the simulated %s", trained.shape.name, trained.shape.hidden_size, trained.shape.num_layers,
@@ -257,6 +263,10 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     executor = StageExecutor(model, ctx, tp, follower, trained.seq_len, config.micro_batch_size,
                              config.activation_checkpointing, cp)
     data = load_data(config.data_path, trained.shape.vocab_size, config.data_format, config.data_dtype)
+    if ctx.rank == 0:
+        log.info("data: %s (%s, %d tokens%s)", data.source, data.format, data.tokens.size,
+                 f", tokenizer {data.tokenizer['name']} of vocabulary {data.tokenizer['vocab_size']}"
+                 if data.tokenizer else "")
     batcher = Batcher(data.tokens, trained.seq_len, config.micro_batch_size, config.num_microbatches, config.dp,
                       config.seed, data.order)
     # Tokens per step of the job's model: what its (simulated or measured) energy is spent on.
@@ -324,7 +334,8 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             record = StepRecord(step, loss, elapsed, job_j, tokens_per_step,
                                 tokens_per_step / job_j if job_j > 0 else 0.0,
                                 modelled_s, source, outputs.clock_summary, *running.record_fields(), *control,
-                                **running.straggler_fields(straggle, rows_ran, replica_s))
+                                **running.straggler_fields(straggle, rows_ran, replica_s),
+                                data_source=data.source if not records else None)
             outputs.write(record, gpu_j)
             records.append(record)
             if decision is not None:  # every rank decided the same: the replicas switch before the next step
@@ -374,7 +385,7 @@ def _checkpointer(ctx: DistContext, config: TrainConfig, trained: TrainedModel, 
     settings = config.checkpoint_settings
     if settings is None:
         return None
-    model = {**asdict(trained.shape), "sequence_length": trained.seq_len,
+    model = {**trained.shape.to_dict(), "sequence_length": trained.seq_len,
              "layers_per_stage": list(trained.layers_per_stage)}
     layout = {"tensor": config.tp, "pipeline": config.pp, "data": config.dp, "context": config.cp,
               "micro_batch_size": config.micro_batch_size, "num_micro_batches": config.num_microbatches}
