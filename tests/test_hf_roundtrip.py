@@ -28,11 +28,16 @@ transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
 VOCAB, SEQ = 96, 16
-# Llama 3's rope theta and norm eps: what an explicit spec.model gives today.
+# Llama 3.1's structure at a tiny size: GQA, rope theta 500000, eps 1e-5, llama3 rope scaling (with an
+# original context of 8 positions, so that the scaling changes most frequencies at 16).
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8}
 HF_SHAPE = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 500000.0,
-            "rms_norm_eps": 1e-5, "initializer_range": 0.2, "max_position_embeddings": 64}
-SPEC_MODEL = {"layers": 2, "hidden": 48, "ffnHidden": 64, "heads": 4, "kvHeads": 2, "headDim": 16, "vocab": VOCAB}
+            "rms_norm_eps": 1e-5, "initializer_range": 0.2, "max_position_embeddings": 64, "rope_scaling": SCALING}
+SPEC_MODEL = {"layers": 2, "hidden": 48, "ffnHidden": 64, "heads": 4, "kvHeads": 2, "headDim": 16, "vocab": VOCAB,
+              "ropeScaling": {"type": "llama3", "factor": 8.0, "lowFreqFactor": 1.0, "highFreqFactor": 4.0,
+                              "originalMaxPositionEmbeddings": 8}}
 
 
 def _make_hf(directory: Path, **changes) -> Path:
@@ -114,12 +119,16 @@ def test_a_kareus_checkpoint_starts_any_layout_at_the_same_loss(world):
     assert abs(losses[1, 1] - losses[2, 2]) <= 1e-5 * abs(losses[2, 2])
 
 
-def test_model_from_hf_prints_the_spec_block(world, capsys):
+def test_model_from_hf_prints_the_spec_block(world, capsys, tmp_path):
     _, hf, _ = world
     assert cli_main(["model", "from-hf", str(hf)]) == 0
     block = yaml.safe_load(capsys.readouterr().out)["model"]
     assert {k: block[k] for k in SPEC_MODEL} == SPEC_MODEL
     assert block["ropeTheta"] == 500000.0 and block["normEps"] == 1e-5 and block["qkNorm"] is False
+    # the block is a valid spec.model whose shape is the checkpoint's
+    job = parse_job(yaml.safe_load(_job(tmp_path / "job.yaml", "from-hf", 1, 1, block).read_text()))
+    assert not hf_adapter.shape_differences(hf_adapter.shape_from_config(json.loads((hf / "config.json").read_text())),
+                                            job.spec.model_shape())
 
 
 def test_from_hf_names_a_matching_preset():
@@ -129,6 +138,15 @@ def test_from_hf_names_a_matching_preset():
                                           "tie_word_embeddings": True, "rope_theta": 1000000.0,
                                           "rms_norm_eps": 1e-6})
     assert hf_adapter.spec_model_block(shape) == {"preset": "qwen3-1.7b"}
+    # Llama 3.1 8B as released: its rope scaling makes it the preset
+    llama = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0,
+             "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}
+    assert hf_adapter.spec_model_block(hf_adapter.shape_from_config(llama)) == {"preset": "llama3.1-8b"}
+    unscaled = hf_adapter.shape_from_config({**llama, "rope_scaling": None})
+    assert "ropeTheta" in hf_adapter.spec_model_block(unscaled)
 
 
 def test_a_mismatched_config_is_one_error_naming_every_field_exit_78(tmp_path, capsys):
@@ -171,10 +189,11 @@ def test_export_refuses_a_missing_step_and_a_bad_size(tmp_path, capsys):
 def test_a_qwen3_model_with_tied_embeddings_exports_as_qwen3(tmp_path):
     """q/k norms and one shared embedding survive the trip (no lm_head written), TP1 in-process."""
     torch.manual_seed(1)
-    config = transformers.Qwen3Config(**{**HF_SHAPE, "tie_word_embeddings": True})
+    config = transformers.Qwen3Config(**{**HF_SHAPE, "tie_word_embeddings": True, "rope_scaling": None})
     hf = tmp_path / "qwen3"
     transformers.Qwen3ForCausalLM(config).save_pretrained(hf)
-    model = {**SPEC_MODEL, "qkNorm": True, "tiedEmbeddings": True}
+    model = {**{k: v for k, v in SPEC_MODEL.items() if k != "ropeScaling"}, "qkNorm": True, "tiedEmbeddings": True,
+             "ropeTheta": 500000.0, "normEps": 1e-5}
     job = parse_job(yaml.safe_load(_job(tmp_path / "job.yaml", "qwen", 1, 1, model).read_text()))
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, VOCAB, 2048).astype(np.int32))

@@ -39,8 +39,6 @@ MBS, M = 2, 2
 VOCAB = 96
 SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 8}
-NO_SCALING = hf_adapter.RopeScaling is None
-scaled = pytest.mark.xfail(NO_SCALING, reason="rope scaling not in ModelShape yet", strict=True)
 
 
 def make_hf(kind: str, directory: Path, seed: int = 0) -> Path:
@@ -86,7 +84,7 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
-KINDS = [pytest.param("llama", marks=scaled), "qwen3"]
+KINDS = ["llama", "qwen3"]
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +110,8 @@ def test_logits_and_loss_match_hf_in_both_engines(hf_dirs, kind):
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     targets = torch.roll(tokens, -1, 1)
     hf_logits, hf_loss, _ = hf_loss_and_grads(directory, tokens, targets)
-    consts = sequence_consts(SEQ, 1, 0, shape.head_dim, shape.rope_theta)
+    assert (shape.rope_scaling is not None) == (kind == "llama")
+    consts = sequence_consts(SEQ, 1, 0, shape.head_dim, shape.rope_theta, scaling=shape.rope_scaling)
     out = model.param("embedding") if shape.tied_embeddings else model.param("output")
     with torch.no_grad():
         x = model.embed(tokens)
@@ -160,7 +159,7 @@ def layout_runs(tmp_path_factory, hf_dirs, data_file):
         if layout not in cache:
             tp, pp, cp = LAYOUTS[layout]
             out = tmp_path_factory.mktemp(layout)
-            dirs = {k: d for k, d in hf_dirs.items() if not (NO_SCALING and k == "llama")}
+            dirs = hf_dirs
             if tp * pp * cp == 1:
                 _worker(0, None, dirs, data_file, 1, 1, 1, str(out))
             else:
@@ -176,7 +175,7 @@ def layout_runs(tmp_path_factory, hf_dirs, data_file):
 def test_loss_and_gradients_match_hf_in_every_layout(layout_runs, hf_dirs, data_file, layout, kind):
     tp = LAYOUTS[layout][0]
     directory = hf_dirs[kind]
-    shape = find_source(directory).shape  # before the runs: raises while rope scaling is missing
+    shape = find_source(directory).shape
     ranks = layout_runs(layout)
     data = load_data(str(data_file), VOCAB)
     batches = Batcher(data.tokens, SEQ, MBS, M, 1, 0, data.order).microbatches(0, 0, "cpu")

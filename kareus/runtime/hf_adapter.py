@@ -39,12 +39,7 @@ from torch import Tensor
 
 from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.runtime.layer_ops import LocalShape
-from kareus.workload.models import PRESETS, ModelShape
-
-try:  # the lead's rope scaling (kareus.workload.models.RopeScaling); absent on older trees
-    from kareus.workload.models import RopeScaling
-except ImportError:  # pragma: no cover - removed once rope scaling is on main
-    RopeScaling = None  # type: ignore[assignment,misc]
+from kareus.workload.models import PRESETS, ModelShape, RopeScaling
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -130,14 +125,14 @@ def _rope_scaling(raw: dict[str, Any]):
     if kind != "llama3":
         raise KareusError(f"config.json rope_scaling.rope_type: {kind!r} is not supported; allowed: default, llama3",
                           exit_code=EXIT_CONFIG)
-    if RopeScaling is None:  # pragma: no cover - until the lead's rope scaling is merged
-        raise KareusError("config.json rope_scaling: this runtime has no rope scaling yet", exit_code=EXIT_CONFIG)
     try:
         return RopeScaling(type="llama3", factor=float(raw["factor"]), low_freq_factor=float(raw["low_freq_factor"]),
                            high_freq_factor=float(raw["high_freq_factor"]),
                            original_max_position_embeddings=int(raw["original_max_position_embeddings"]))
     except KeyError as error:
         raise KareusError(f"config.json rope_scaling: missing {error.args[0]!r}", exit_code=EXIT_CONFIG) from None
+    except KareusError as error:
+        raise KareusError(f"config.json rope_scaling: {error}", exit_code=EXIT_CONFIG) from None
 
 
 def config_from_shape(shape: ModelShape, *, dtype: str = "float32", max_position_embeddings: int = 8192,
@@ -162,7 +157,7 @@ def config_from_shape(shape: ModelShape, *, dtype: str = "float32", max_position
         config["use_sliding_window"] = False
     for key, attr in HF_FIELDS:
         config[key] = getattr(shape, attr)
-    scaling = getattr(shape, "rope_scaling", None)
+    scaling = shape.rope_scaling
     config["rope_scaling"] = None if scaling is None else {
         "rope_type": scaling.type, **{k: getattr(scaling, k) for k in ROPE_SCALING_FIELDS}}
     return {**config, **(extra or {})}
@@ -178,7 +173,7 @@ def shape_differences(theirs: ModelShape, mine: ModelShape, *, mine_name: str = 
             a, b = ("qwen3" if a else "llama"), ("qwen3" if b else "llama")
         if not _same(a, b):
             out.append(f"{key}: checkpoint {a}, {mine_name} {b}")
-    a, b = getattr(theirs, "rope_scaling", None), getattr(mine, "rope_scaling", None)
+    a, b = theirs.rope_scaling, mine.rope_scaling
     if a is None or b is None:
         if a is not b:
             out.append(f"rope_scaling: checkpoint {_scaling_words(a)}, {mine_name} {_scaling_words(b)}")
@@ -226,12 +221,11 @@ def spec_model_block(shape: ModelShape) -> dict[str, Any]:
         "vocab": shape.vocab_size, "qkNorm": shape.qk_norm, "tiedEmbeddings": shape.tied_embeddings,
         "ropeTheta": shape.rope_theta, "normEps": shape.norm_eps,
     }
-    scaling = getattr(shape, "rope_scaling", None)
+    scaling = shape.rope_scaling
     if scaling is not None:
-        block["ropeScaling"] = {"type": scaling.type, "factor": scaling.factor,
-                                "lowFreqFactor": scaling.low_freq_factor,
-                                "highFreqFactor": scaling.high_freq_factor,
-                                "originalMaxPositionEmbeddings": scaling.original_max_position_embeddings}
+        from kareus.spec.types import rope_scaling_manifest
+
+        block["ropeScaling"] = rope_scaling_manifest(scaling)
     return block
 
 
@@ -239,9 +233,7 @@ def shape_from_dict(values: dict[str, Any]) -> ModelShape:
     """A `ModelShape` from `dataclasses.asdict` of one (a checkpoint manifest's `model`)."""
     known = {f.name for f in fields(ModelShape)}
     kwargs = {k: v for k, v in values.items() if k in known}
-    if kwargs.get("rope_scaling") is not None:
-        if RopeScaling is None:  # pragma: no cover
-            raise KareusError("the checkpoint's model has rope scaling, which this runtime lacks", exit_code=EXIT_CONFIG)
+    if isinstance(kwargs.get("rope_scaling"), dict):
         kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
     return ModelShape(**kwargs)
 
