@@ -18,10 +18,11 @@ RoPE needs no permutation: Hugging Face's Llama rotates (first half, second half
 (`rotate_half`), exactly as `kareus.runtime.layer_ops.apply_rope` does; the parity tests check it.
 
 Sliced reads. `read_param` returns only one tensor-parallel rank's slice of a Kareus parameter,
-reading from the safetensors files only the rows (QKV heads, FC1 halves) or columns (projection,
-FC2) that rank holds, through `safe_open(...).get_slice`, straight into the tensor it returns, one
-64 MiB block of the file at a time, unmapping the file after each block. Replicated tensors (norms,
-embedding, output) are read whole, in the same blocks. So a rank that loads its stage this way holds
+reading from the safetensors files only the rows (QKV heads, FC1 halves, the embedding's and output
+layer's vocabulary rows) or columns (projection, FC2) that rank holds, through
+`safe_open(...).get_slice`, straight into the tensor it returns, one 64 MiB block of the file at a
+time, unmapping the file after each block. Replicated tensors (norms) are read whole, in the same
+blocks. So a rank that loads its stage this way holds
 its shard plus one read block — within the shard-plus-one-full-tensor bound of
 `kareus.runtime.model`'s random initialisation.
 """
@@ -39,6 +40,7 @@ from torch import Tensor
 
 from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.runtime.layer_ops import LocalShape
+from kareus.runtime.model import VOCAB_PARAMS, vocab_range
 from kareus.workload.models import PRESETS, ModelShape, RopeScaling
 
 CONFIG = "config.json"
@@ -388,6 +390,11 @@ def _read_param(ckpt: HFCheckpoint, name: str, shape: ModelShape, tp: int, tp_ra
     dims = hf_dims(name, shape)
     _check_dims(ckpt, name, names, dims)
     dtype = ckpt.dtype(names[0])
+    if tp > 1 and base in VOCAB_PARAMS:
+        start, stop = vocab_range(shape, tp_rank, tp)
+        out = torch.empty((stop - start, *dims[0][1:]), dtype=dtype)
+        ckpt.read_into(out, names[0], (start, stop), None)
+        return out
     sharded = tp > 1 and base in ("qkv", "fc1", "proj", "fc2")
     if sharded and base in ("proj", "fc2"):
         n = dims[0][1] // tp

@@ -41,7 +41,7 @@ from torch import Tensor
 from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.runtime import hf_adapter
 from kareus.runtime.checkpoint import MANIFEST, complete_checkpoints
-from kareus.runtime.model import StageLayout, shard
+from kareus.runtime.model import VOCAB_PARAMS, StageLayout, shard
 from kareus.workload.models import ModelShape
 
 log = logging.getLogger("kareus.runtime")
@@ -149,9 +149,14 @@ class KareusReader:
     def full(self, name: str) -> Tensor:
         tp = self.shards(name)
         base = name.rsplit(".", 1)[-1]
-        if tp == 1 or base not in ("qkv", "fc1", "proj", "fc2"):
-            return self._load([f"model/{name}/tp0of{tp}"])[0]
+        key0 = f"model/{name}/tp0of{tp}"
+        # Checkpoints written before the vocab-parallel layers hold the whole table on every TP rank.
+        replicated_table = base in VOCAB_PARAMS and self.entries[key0].size[0] == self.shape.vocab_size
+        if tp == 1 or base not in ("qkv", "fc1", "proj", "fc2", *VOCAB_PARAMS) or replicated_table:
+            return self._load([key0])[0]
         pieces = self._load([f"model/{name}/tp{r}of{tp}" for r in range(tp)])
+        if base in VOCAB_PARAMS:
+            return torch.cat(pieces)
         if base in ("proj", "fc2"):
             return torch.cat(pieces, dim=1)
         if base == "fc1":

@@ -7,8 +7,19 @@ is what lets the tests compare them — and `shard` is the one place that knows 
 
 - QKV is column-parallel by heads (each rank gets its query heads and its K/V heads),
 - FC1 is column-parallel (gate and up halves sliced alike), projection and FC2 row-parallel,
-- norms, the embedding and the output layer are replicated: their gradients come out identical
-  on every TP rank because their inputs and output-gradients are all-reduced already.
+- the embedding and the output layer are vocab-parallel (Megatron's `VocabParallelEmbedding` and
+  vocab-parallel output layer): rank r holds vocabulary rows `[r·V/tp, (r+1)·V/tp)`. The vocabulary
+  must divide by the tensor degree (every preset's does at TP8; Megatron pads to a multiple of
+  128·tp instead, which would change the softmax unless the padded logits were masked),
+- norms are replicated: their gradients come out identical on every TP rank because their inputs
+  and output-gradients are all-reduced already.
+
+Embedding: each rank looks up the tokens in its row range (zero elsewhere) and the partial
+embeddings are summed over TP; the backward hands each rank the gradient of its own rows only.
+Loss: each rank computes the logits of its vocabulary slice only, and the cross-entropy is taken
+over the slices (`VocabParallelCrossEntropy`: max, sum of exponentials and target logit summed or
+maxed over TP, fp32), so no rank ever holds full-vocabulary logits; the hidden state entering the
+output layer has its gradient summed over TP (a column-parallel input).
 
 Layers are named by their global index (`layers.7.qkv`), so a stage holds exactly its layers.
 The embedding lives on the first stage, final norm + output layer + loss on the last; with tied
@@ -28,9 +39,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kareus.errors import EXIT_CONFIG, KareusError
+from kareus.runtime.comm import AllReduceBackward, AllReduceForward, GroupComm
 from kareus.runtime.layer_ops import LocalShape, rms_norm
 from kareus.workload.models import ModelShape
 
@@ -83,6 +97,20 @@ def full_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 NORM_PARAMS = frozenset({"norm_attn", "norm_mlp", "q_norm", "k_norm", "final_norm"})
 # Linear layers that write into the residual stream (attention output and FC2).
 RESIDUAL_OUTPUTS = frozenset({"proj", "fc2"})
+# Tables of one row per vocabulary entry: sharded by rows over tensor parallelism.
+VOCAB_PARAMS = frozenset({"embedding", "output"})
+
+
+def vocab_range(shape: ModelShape, tp_rank: int, tp: int) -> tuple[int, int]:
+    """Vocabulary rows `[start, stop)` tensor-parallel rank `tp_rank` holds of the embedding and
+    the output layer."""
+    if shape.vocab_size % tp:
+        raise KareusError(
+            f"model {shape.name}: spec.model.vocab={shape.vocab_size} is not divisible by tensor parallelism {tp} "
+            f"(the embedding and output layer are split by vocabulary rows); allowed: a tensor size that divides "
+            f"the vocabulary", exit_code=EXIT_CONFIG)
+    rows = shape.vocab_size // tp
+    return tp_rank * rows, (tp_rank + 1) * rows
 
 
 def init_full(name: str, dims: tuple[int, ...], shape: ModelShape, seed: int) -> Tensor:
@@ -123,6 +151,9 @@ def shard(name: str, full: Tensor, shape: ModelShape, tp_rank: int, tp: int) -> 
         return torch.cat((gate[tp_rank * n:(tp_rank + 1) * n], up[tp_rank * n:(tp_rank + 1) * n]))
     if base in ("proj", "fc2"):
         return full.chunk(tp, dim=1)[tp_rank].contiguous()
+    if base in VOCAB_PARAMS:
+        start, stop = vocab_range(shape, tp_rank, tp)
+        return full[start:stop].clone()
     return full
 
 
@@ -136,11 +167,11 @@ def initial_params(shape: ModelShape, layout: StageLayout, tp: int, tp_rank: int
             yield name, shard(name, init_full(name, dims, shape, seed), shape, tp_rank, tp)
     table = (shape.vocab_size, shape.hidden_size)
     if layout.is_first or (layout.is_last and shape.tied_embeddings):
-        yield "embedding", init_full("embedding", table, shape, seed)
+        yield "embedding", shard("embedding", init_full("embedding", table, shape, seed), shape, tp_rank, tp)
     if layout.is_last:
         yield "final_norm", init_full("final_norm", (shape.hidden_size,), shape, seed)
         if not shape.tied_embeddings:
-            yield "output", init_full("output", table, shape, seed)
+            yield "output", shard("output", init_full("output", table, shape, seed), shape, tp_rank, tp)
 
 
 class StageModel(nn.Module):
@@ -156,6 +187,7 @@ class StageModel(nn.Module):
         self.layout = layout
         self.local = LocalShape.of(shape, tp)
         self.tp, self.tp_rank = tp, tp_rank
+        self.vocab_start, self.vocab_stop = vocab_range(shape, tp_rank, tp)
         self.params = nn.ParameterDict()
         if params is None:
             params = initial_params(shape, layout, tp, tp_rank, seed)
@@ -173,17 +205,78 @@ class StageModel(nn.Module):
         """Parameters by their model name (`layers.3.fc1`, `embedding`, …)."""
         return {_name(k): p for k, p in self.params.items()}
 
-    def embed(self, tokens: Tensor) -> Tensor:
-        return F.embedding(tokens, self.param("embedding"))
+    def embed(self, tokens: Tensor, tp: GroupComm | None = None) -> Tensor:
+        """The embeddings of `tokens`; with tensor parallelism (`tp`, this rank's TP group) this rank
+        contributes the rows it holds and the contributions are summed over the group."""
+        table = self.param("embedding")
+        if self.tp == 1:
+            return F.embedding(tokens, table)
+        _check_comm(tp, self.tp)
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_stop)
+        # Out-of-range tokens look up row 0 and are zeroed after: masked_fill's backward gives them no
+        # gradient, so row 0 gets only its own tokens' gradient.
+        partial = F.embedding((tokens - self.vocab_start).masked_fill(outside, 0), table)
+        return AllReduceForward.apply(partial.masked_fill(outside.unsqueeze(-1), 0.0), tp)
 
-    def head_loss(self, hidden: Tensor, targets: Tensor, loss_scale: float) -> Tensor:
+    def head_loss(self, hidden: Tensor, targets: Tensor, loss_scale: float, tp: GroupComm | None = None) -> Tensor:
         """Sum of token cross-entropies times `loss_scale` (1 / tokens of the global batch), so
-        microbatch and data-parallel gradients simply add up to the global mean's gradient."""
+        microbatch and data-parallel gradients simply add up to the global mean's gradient. With
+        tensor parallelism every rank of `tp` returns the same loss, computed vocab-parallel."""
         out = self.param("embedding") if self.shape.tied_embeddings else self.param("output")
-        logits = F.linear(rms_norm(hidden, self.param("final_norm"), self.shape.norm_eps), out)
+        normed = rms_norm(hidden, self.param("final_norm"), self.shape.norm_eps)
+        if self.tp > 1:
+            _check_comm(tp, self.tp)
+            normed = AllReduceBackward.apply(normed, tp)
+        logits = F.linear(normed, out)  # [b, s, vocab / tp]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: loss in fp32
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        if self.tp == 1:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        else:
+            loss = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start, tp).sum()
         return loss * loss_scale
+
+
+def _check_comm(tp: GroupComm | None, size: int) -> None:
+    if tp is None or tp.size != size:
+        raise KareusError(f"a tensor-parallel stage model (tp={size}) needs its TP group for the vocab-parallel "
+                          f"embedding and loss; got {'none' if tp is None else f'a group of {tp.size}'}")
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split by vocabulary over a TP group (Megatron's
+    `_VocabParallelCrossEntropy`): `logits` `[tokens, vocab / tp]` are this rank's slice, starting at
+    vocabulary id `vocab_start`; `targets` `[tokens]` are global ids. Returns `[tokens]` losses, the
+    same on every rank. The backward is this rank's slice of softmax − one-hot."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, vocab_start: int, tp: GroupComm) -> Tensor:
+        # Subtracting the global max keeps exp() finite; it cancels in the loss.
+        logits_max = logits.max(dim=-1).values
+        if tp.size > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.group)
+        shifted = logits - logits_max.unsqueeze(-1)
+        local = targets - vocab_start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        # One all-reduce for both sums: the target's logit (held by one rank) and sum(exp).
+        target_logit = shifted[rows, local].masked_fill(outside, 0.0)
+        exp = shifted.exp_()  # in place: the shifted logits are not needed again
+        sums = torch.stack((target_logit, exp.sum(dim=-1)))
+        tp.all_reduce(sums)
+        target_logit, sum_exp = sums
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= (~outside).to(grad.dtype)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
 
 
 def _key(name: str) -> str:

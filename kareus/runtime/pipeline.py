@@ -105,14 +105,14 @@ class StageExecutor:
     def _forward(self, ins: RunInstruction, mb: _Microbatch, loss_scale: float) -> None:
         layout = self.model.layout
         if layout.is_first:
-            mb.embedded = self.model.embed(mb.tokens)
+            mb.embedded = self.model.embed(mb.tokens, self.tp)
             x = mb.embedded.detach()
         else:
             x = self.link.receive(self.dist_ctx.neighbour(-1), ACTIVATION_TAG)
         y = self._block_forward(ins, x, mb)
         if layout.is_last:
             mb.head_input = y.detach().requires_grad_()
-            mb.loss = self.model.head_loss(mb.head_input, mb.targets, loss_scale)
+            mb.loss = self.model.head_loss(mb.head_input, mb.targets, loss_scale, self.tp)
         else:
             self.link.send(y, self.dist_ctx.neighbour(1), ACTIVATION_TAG)
 
