@@ -1,8 +1,9 @@
 """A memory plan: each pipeline stage's peak memory on one GPU, before anything runs.
 
 A rank holds its stage's share of the model (TP-sharded QKV/FC1/projection/FC2, replicated norms,
-the embedding on the first stage and the final norm + output layer on the last, full-vocabulary
-on every TP rank unless `vocab_parallel`), their gradients, the optimizer's state and fp32
+the embedding on the first stage and the final norm + output layer on the last, vocab/tp rows of
+them with `vocab_parallel`, as the runtime holds them and a job's plan assumes; the full
+vocabulary on every TP rank without), their gradients, the optimizer's state and fp32
 master copies, the activations its backward will need and the communication buffers of its
 groups. What is counted, per rank of stage s (`MemoryInputs` names each choice):
 
@@ -163,7 +164,7 @@ def inputs_of_job(job: Any) -> MemoryInputs:
     return MemoryInputs(spec.model_shape(), spec.sequence_length, tp=par.tensor, pp=par.pipeline, cp=par.context,
                         dp=par.data, micro_batch_size=par.micro_batch_size, num_microbatches=par.num_micro_batches,
                         checkpointing=checkpointing, precision=getattr(training, "precision", None) or "fp32",
-                        optimizer=optimizer,
+                        optimizer=optimizer, vocab_parallel=True,  # the runtime splits the tables by vocabulary rows
                         engine="partitioned" if getattr(par, "nanobatching", True) else "sequential")
 
 
