@@ -71,6 +71,10 @@ def test_initial_values_do_not_depend_on_the_layout(preset):
         shards = [v for k, v in split.items() if k.split("/")[0] == name]
         if name.rsplit(".", 1)[-1] in ("qkv", "fc1", "proj", "fc2"):
             assert sum(s.numel() for s in shards) == value.numel(), name
+        elif name in ("embedding", "output"):  # vocab-parallel: rank r's rows (tied: on both pipeline ends)
+            for stage in {k.split("/")[2] for k in split if k.split("/")[0] == name}:
+                rows = [split[f"{name}/tp{r}/{stage}"] for r in range(2)]
+                assert torch.equal(torch.cat(rows), value), name
         else:  # replicated over TP (and, tied, over both pipeline ends): every copy equal
             assert all(torch.equal(s, value) for s in shards), name
         if name.endswith(("proj", "fc2")):  # row-parallel: the shards are the column blocks
