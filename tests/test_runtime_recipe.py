@@ -201,3 +201,73 @@ def test_bf16_adamw_moves_every_final_norm_gain(tmp_path):
     assert final_norm.dtype == torch.bfloat16 and torch.equal(final_norm, master.to(torch.bfloat16))
     assert int((final_norm != 1.0).sum()) > 0
     assert result.losses[-1] < result.losses[0]
+
+
+# the job spec and the command line ------------------------------------------------------------
+
+def _manifest(training: dict) -> dict:
+    return {"apiVersion": "kareus.dev/v1alpha1", "kind": "KareusJob", "metadata": {"name": "recipe"},
+            "spec": {"model": {"preset": "tiny"}, "sequenceLength": 16,
+                     "parallelism": {"tensor": 1, "pipeline": 1, "context": 1, "data": 1,
+                                     "microBatchSize": 2, "numMicroBatches": 1},
+                     "objective": {"maxThroughput": {}},
+                     "training": {"image": "x", "steps": 6, "gpusPerNode": 1, "nodes": 1, **training}}}
+
+
+def test_spec_training_optimizer_precision_and_tf32_reach_the_run():
+    from kareus.spec import parse_job
+
+    job = parse_job(_manifest({"precision": "bf16", "tf32": False, "optimizer": {
+        "lr": 1e-3, "minLr": 0, "warmupSteps": 2, "schedule": "wsd", "beta2": 0.99, "clipGradNorm": 0.5,
+        "decayEmbeddings": False}}))
+    assert parse_job(_manifest(job.spec.training.to_dict())).spec == job.spec  # round trip
+    config = TrainConfig.from_job(job)
+    assert (config.dtype, config.tf32) == ("bfloat16", False)
+    assert config.recipe == OptimizerRecipe(lr=1e-3, min_lr=0.0, warmup_steps=2, schedule_kind="wsd", beta2=0.99,
+                                            clip_grad_norm=0.5, decay_embeddings=False)
+    plain = TrainConfig.from_job(parse_job(_manifest({})))
+    assert (plain.dtype, plain.tf32, plain.recipe) == ("float32", True, OptimizerRecipe())
+
+
+@pytest.mark.parametrize("optimizer,field", [
+    ({"name": "lamb"}, "name"), ({"lr": 0}, "lr"), ({"lr": 11}, "lr"), ({"minLr": -1}, "minLr"),
+    ({"warmupSteps": -1}, "warmupSteps"), ({"schedule": "step"}, "schedule"), ({"decaySteps": 0}, "decaySteps"),
+    ({"wsdDecayFraction": 0}, "wsdDecayFraction"), ({"weightDecay": 2}, "weightDecay"),
+    ({"decayEmbeddings": "no"}, "decayEmbeddings"), ({"beta1": 1}, "beta1"), ({"beta2": -0.1}, "beta2"),
+    ({"eps": 0}, "eps"), ({"clipGradNorm": -1}, "clipGradNorm"), ({"momentum": 0.9}, "momentum"),
+    ({"lr": 1e-3, "minLr": 1e-2}, "minLr"), ({"warmupSteps": 10, "decaySteps": 5}, "decaySteps"),
+])
+def test_each_bad_optimizer_field_is_one_error_naming_it(optimizer, field):
+    from kareus.spec import SpecError, parse_job
+
+    with pytest.raises(SpecError) as error:
+        parse_job(_manifest({"optimizer": optimizer}))
+    assert [e.path for e in error.value.errors] == [f"spec.training.optimizer.{field}"], str(error.value)
+
+
+def test_bad_precision_is_one_error():
+    from kareus.spec import SpecError, parse_job
+
+    with pytest.raises(SpecError, match=r"spec.training.precision: must be one of fp32, bf16, got 'fp16'"):
+        parse_job(_manifest({"precision": "fp16"}))
+
+
+def test_train_flags_override_the_spec(tmp_path):
+    import argparse
+
+    import yaml
+
+    from kareus.cli import train as cli
+    from kareus.spec import load_job
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(_manifest({"optimizer": {"lr": 1e-3, "schedule": "linear"}})))
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["train", str(path), "--min-lr", "1e-5", "--clip-grad-norm", "0",
+                              "--no-embedding-decay"])
+    recipe = cli._recipe(load_job(path), args)
+    assert recipe == OptimizerRecipe(lr=1e-3, schedule_kind="linear", min_lr=1e-5, clip_grad_norm=0.0,
+                                     decay_embeddings=False)
+    with pytest.raises(KareusError, match=r"--beta2 must be in \[0, 1\), got 1.0"):
+        cli._check_args(parser.parse_args(["train", str(path), "--beta2", "1"]))
