@@ -32,7 +32,8 @@ STEPS = 5
 
 def _config(tp: int, pp: int, dp: int, m: int, ac: bool = True, cp: int = 1) -> TrainConfig:
     return TrainConfig(shape=TINY, seq_len=16, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=2, num_microbatches=m,
-                       steps=STEPS, seed=5, recipe=OptimizerRecipe.constant("sgd", 0.5), activation_checkpointing=ac, device="cpu")
+                       steps=STEPS, seed=5, recipe=OptimizerRecipe.constant("sgd", 0.5), activation_checkpointing=ac,
+                       device="cpu")
 
 
 def _types(tp: int, cp: int) -> dict:

@@ -32,7 +32,6 @@ from kareus.spec.overrides import read_overrides
 from kareus.spec.types import (
     DEFAULT_GPU_PRODUCT,
     EXPLICIT_REQUIRED,
-    OPTIMIZER_FIELDS,
     PROXY_FIELDS,
     SHAPE_FIELDS,
     CheckpointSpec,
