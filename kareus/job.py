@@ -75,7 +75,7 @@ class PlanJob:
     def to_dict(self) -> dict:
         out = {
             "name": self.name,
-            "model": {k: getattr(self.model, k) for k in ModelShape.__dataclass_fields__},
+            "model": self.model.to_dict(),
             "gpu": self.gpu,
             "tensor": self.tensor,
             "context": self.context,
@@ -96,7 +96,7 @@ class PlanJob:
     @classmethod
     def from_dict(cls, data: Mapping) -> PlanJob:
         return cls(
-            model=ModelShape(**data["model"]),
+            model=ModelShape.from_dict(data["model"]),
             gpu=data["gpu"],
             tensor=data["tensor"],
             context=data["context"],

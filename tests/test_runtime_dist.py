@@ -31,8 +31,10 @@ STEPS = 5
 
 
 def _config(tp: int, pp: int, dp: int, m: int, ac: bool = True, cp: int = 1) -> TrainConfig:
+    # lr 0.1: stable (the loss falls every step), so layouts differ by round-off only (3.8e-7 relative);
+    # at 0.5, with the norms at one since the init fix, the loss spikes and amplifies it past 1e-5.
     return TrainConfig(shape=TINY, seq_len=16, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=2, num_microbatches=m,
-                       steps=STEPS, seed=5, recipe=OptimizerRecipe.constant("sgd", 0.5), activation_checkpointing=ac,
+                       steps=STEPS, seed=5, recipe=OptimizerRecipe.constant("sgd", 0.1), activation_checkpointing=ac,
                        device="cpu")
 
 

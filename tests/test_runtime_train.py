@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import urllib.request
 
 import numpy as np
@@ -82,9 +83,10 @@ def test_loss_decreases_over_50_steps_on_the_builtin_corpus():
     config = TrainConfig(shape=TINY, seq_len=64, micro_batch_size=4, num_microbatches=1, steps=50, seed=1,
                          device="cpu", recipe=OptimizerRecipe.constant("adamw", 3e-3))
     result, _ = run_rank(init_distributed(config.layout, device="cpu"), config, Schedule.uniform(1, 1))
+    # Norms start at one since the init fix: the first steps already learn (5.54, 5.20, 4.95, 4.71, 4.48).
+    assert result.losses[0] == pytest.approx(math.log(256), abs=0.1)  # uniform over the bytes at initialisation
     first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
-    assert first > 5.0  # ~ln(256) at initialisation
-    assert last < first - 1.5, result.losses
+    assert last < first - 2.5, result.losses  # 4.97 -> 1.89
 
 
 def test_train_follows_the_plan_clock_by_clock(tmp_path):

@@ -23,7 +23,7 @@ from kareus.spec import (
     parse_spec,
     validation_errors,
 )
-from kareus.workload.models import PRESETS
+from kareus.workload.models import PRESETS, RopeScaling
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -167,6 +167,37 @@ def test_explicit_shape_and_preset_overrides(quickstart):
     quickstart["spec"]["sequenceLength"] = 64
     shape = parse_job(quickstart).spec.model_shape()
     assert shape.num_layers == 4 and shape.hidden_size == 8192 and shape.name == "llama3.3-70b-custom"
+
+
+def test_rope_and_norm_fields_reach_the_shape_and_round_trip(quickstart):
+    quickstart["spec"]["model"] = {"layers": 2, "hidden": 64, "ffnHidden": 96, "heads": 4, "kvHeads": 4,
+                                   "vocab": 256, "ropeTheta": 1e4, "normEps": 1e-6,
+                                   "ropeScaling": {"type": "llama3", "factor": 32}}
+    job = parse_job(quickstart)
+    shape = job.spec.model_shape()
+    assert (shape.rope_theta, shape.norm_eps) == (1e4, 1e-6)
+    assert shape.rope_scaling == RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)  # the defaults are Llama 3.x's
+    assert parse_job(job.to_dict()) == job
+    assert hash(job) == hash(parse_job(job.to_dict()))
+    # A preset keeps its released scaling unless the manifest replaces it.
+    quickstart["spec"]["model"] = {"preset": "llama3.1-8b", "layers": 2}
+    assert parse_job(quickstart).spec.model_shape().rope_scaling.factor == 8.0
+
+
+@pytest.mark.parametrize(("scaling", "path", "fragment"), [
+    ({"factor": 8}, "spec.model.ropeScaling.type", "required"),
+    ({"type": "llama3", "factor": 0.5}, "spec.model.ropeScaling.factor", "[1, 1024]"),
+    ({"type": "llama3", "factor": 8, "lowFreqFactor": 4, "highFreqFactor": 4},
+     "spec.model.ropeScaling.highFreqFactor", "greater than lowFreqFactor"),
+    ({"type": "llama3", "factor": 8, "originalMaxPositionEmbeddings": 0},
+     "spec.model.ropeScaling.originalMaxPositionEmbeddings", "integer"),
+    ({"type": "llama3", "factor": 8, "beta": 1}, "spec.model.ropeScaling.beta", "unknown field"),
+    ("llama3", "spec.model.ropeScaling", "object"),
+])
+def test_bad_rope_scaling_is_one_error_at_its_field(quickstart, scaling, path, fragment):
+    quickstart["spec"]["model"] = {"preset": "tiny", "ropeScaling": scaling}
+    errors = errors_of(quickstart)
+    assert list(errors) == [path] and fragment in errors[path]
 
 
 def test_objectives_and_deadline(quickstart):

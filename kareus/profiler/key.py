@@ -40,7 +40,7 @@ def profile_key(job: Any, *, simulated: bool | None = None, gpu_product: str | N
     identity = {
         "simulated": simulated,
         "gpu": gpu,
-        "shape": asdict(spec.model_shape()),
+        "shape": spec.model_shape().to_dict(),
         "job": asdict(descriptor),
         "version": software_version,
     }

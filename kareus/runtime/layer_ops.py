@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kareus.errors import KareusError
-from kareus.workload.models import ModelShape
+from kareus.workload.models import ModelShape, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -82,20 +82,29 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-    """cos/sin tables `[seq, head_dim/2]` of rotary embeddings (computed in fp64 for accuracy)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
+    """Inverse frequencies `[head_dim/2]` (fp64) of rotary embeddings with base `theta`, scaled."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    return torch.tensor(scaling.scale(inv_freq.tolist()), dtype=torch.float64)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32, scaling: RopeScaling | None = None) -> tuple[Tensor, Tensor]:
+    """cos/sin tables `[seq, head_dim/2]` of rotary embeddings (computed in fp64 for accuracy)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
 
 
 def sequence_consts(seq_len: int, cp: int, cp_rank: int, head_dim: int, theta: float,
-                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    scaling: RopeScaling | None = None) -> dict[str, Tensor]:
     """RoPE tables for this context-parallel rank's chunk of the sequence and, with CP, the causal
     mask of its queries over the whole sequence."""
     chunk = seq_len // cp
-    cos, sin = rope_tables(seq_len, head_dim, theta, device, dtype)
+    cos, sin = rope_tables(seq_len, head_dim, theta, device, dtype, scaling)
     rows = slice(cp_rank * chunk, (cp_rank + 1) * chunk)
     consts = {"rope_cos": cos[rows], "rope_sin": sin[rows]}
     if cp > 1:

@@ -79,14 +79,27 @@ def full_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# RMSNorm weights: per layer, the q/k norms (Qwen3) and the final one. They scale, so they start at one.
+NORM_PARAMS = frozenset({"norm_attn", "norm_mlp", "q_norm", "k_norm", "final_norm"})
+# Linear layers that write into the residual stream (attention output and FC2).
+RESIDUAL_OUTPUTS = frozenset({"proj", "fc2"})
+
+
 def init_full(name: str, dims: tuple[int, ...], shape: ModelShape, seed: int) -> Tensor:
-    """The full initial value of parameter `name` (norms: ones; weights: N(0, 0.02), residual
-    outputs scaled by 1/sqrt(2·layers) as in GPT-2/Megatron)."""
+    """The full initial value of parameter `name`, as Megatron-LM initialises a GPT (and torchtitan
+    its Llama, up to the depth scaling):
+
+    - every RMSNorm weight is one (the norm starts as a pure normalisation);
+    - the embedding, the output layer, QKV and FC1 are N(0, 0.02²);
+    - the residual-writing outputs (`proj`, `fc2`) are N(0, (0.02 / sqrt(2·layers))²), so the residual
+      stream's variance does not grow with depth at initialisation (GPT-2, Megatron's
+      `scaled_init_method_normal`).
+    Random values come from a generator seeded by (seed, name): the same whatever the layout."""
     base = name.rsplit(".", 1)[-1]
-    if base.endswith("norm"):
+    if base in NORM_PARAMS:
         return torch.ones(dims)
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-    std = INIT_STD / math.sqrt(2 * shape.num_layers) if base in ("proj", "fc2") else INIT_STD
+    std = INIT_STD / math.sqrt(2 * shape.num_layers) if base in RESIDUAL_OUTPUTS else INIT_STD
     return torch.randn(dims, generator=generator).mul_(std)  # in place: one full tensor, not two
 
 
@@ -125,7 +138,7 @@ def initial_params(shape: ModelShape, layout: StageLayout, tp: int, tp_rank: int
     if layout.is_first or (layout.is_last and shape.tied_embeddings):
         yield "embedding", init_full("embedding", table, shape, seed)
     if layout.is_last:
-        yield "final_norm", torch.ones(shape.hidden_size)
+        yield "final_norm", init_full("final_norm", (shape.hidden_size,), shape, seed)
         if not shape.tied_embeddings:
             yield "output", init_full("output", table, shape, seed)
 

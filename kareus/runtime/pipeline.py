@@ -65,7 +65,7 @@ class StageExecutor:
         dtype = next(iter(self.model.parameters())).dtype
         cp = self.cp.size if self.cp else 1
         consts = sequence_consts(self.seq_len, cp, self.dist_ctx.cp_rank, shape.head_dim, shape.rope_theta, device,
-                                 dtype)
+                                 dtype, shape.rope_scaling)
         self.partitioned = PartitionedBlock(self.model, self.tp, consts, self.cp)
         self.sequential = SequentialBlock(self.model, self.tp, consts, self.cp)
         activation_shape = (self.micro_batch_size, self.seq_len // cp, shape.hidden_size)

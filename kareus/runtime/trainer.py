@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -382,7 +382,7 @@ def _checkpointer(ctx: DistContext, config: TrainConfig, trained: TrainedModel, 
     settings = config.checkpoint_settings
     if settings is None:
         return None
-    model = {**asdict(trained.shape), "sequence_length": trained.seq_len,
+    model = {**trained.shape.to_dict(), "sequence_length": trained.seq_len,
              "layers_per_stage": list(trained.layers_per_stage)}
     layout = {"tensor": config.tp, "pipeline": config.pp, "data": config.dp, "context": config.cp,
               "micro_batch_size": config.micro_batch_size, "num_micro_batches": config.num_microbatches}

@@ -51,7 +51,7 @@ from kareus.spec.types import (
     TimeBudget,
     TrainingSpec,
 )
-from kareus.workload.models import PRESETS
+from kareus.workload.models import PRESETS, ROPE_SCALING_TYPES
 
 # Objects and lists in one manifest, root included: the CRD's deepest field (a projected volume's
 # clusterTrustBundle label selector values) is 15 deep; deeper input is refused before anything
@@ -76,6 +76,9 @@ INT64 = (-(2**63), 2**63 - 1)  # a JSON integer outside is a float to the server
 # Upper bounds keep CEL arithmetic far from overflow and catch unit mistakes (seconds vs. ms).
 MODEL_BOUNDS = {"layers": 1024, "hidden": 1 << 20, "ffnHidden": 1 << 22, "heads": 4096, "kvHeads": 4096,
                 "headDim": 4096, "vocab": 1 << 24}
+# RoPE base and RMSNorm epsilon: released models use 1e4–1e6 and 1e-6–1e-5.
+MODEL_NUMBER_BOUNDS = {"ropeTheta": (1.0, 1e10), "normEps": (0.0, 0.1)}
+MAX_ROPE_FACTOR = 1024.0
 MAX_SEQUENCE_LENGTH = 1 << 20
 MAX_DEGREE = 4096
 MAX_MICRO_BATCH_SIZE = 4096
@@ -306,10 +309,15 @@ def _read_model(model: Fields | None) -> ModelSpec | None:
         return None
     before = len(model.errors)
     preset = model.string("preset", None, max_length=64, choices=sorted(PRESETS))
-    overrides: dict[str, int | bool] = {}
+    overrides: dict[str, Any] = {}
     for key, _attr in SHAPE_FIELDS:
         if key in ("qkNorm", "tiedEmbeddings"):
             value = model.boolean(key, None)
+        elif key in MODEL_NUMBER_BOUNDS:
+            low, high = MODEL_NUMBER_BOUNDS[key]
+            value = model.number(key, None, minimum=low, maximum=high, exclusive_minimum=key == "normEps")
+        elif key == "ropeScaling":
+            value = _read_rope_scaling(model.mapping(key)) if model.has(key) else None
         else:
             value = model.integer(key, None, maximum=MODEL_BOUNDS[key])
         if value is not None:
@@ -324,6 +332,31 @@ def _read_model(model: Fields | None) -> ModelSpec | None:
                               f"missing {', '.join(missing)}")
             return None
     return ModelSpec(preset=preset, overrides=overrides)
+
+
+def _read_rope_scaling(scaling: Fields | None) -> dict[str, Any] | None:
+    """`spec.model.ropeScaling` in its manifest form with every default filled in."""
+    if scaling is None:
+        return None
+    before = len(scaling.errors)
+    values = {
+        "type": scaling.string("type", max_length=32, choices=ROPE_SCALING_TYPES),
+        "factor": scaling.number("factor", minimum=1, maximum=MAX_ROPE_FACTOR),
+        "lowFreqFactor": scaling.number("lowFreqFactor", 1.0, minimum=0, maximum=MAX_ROPE_FACTOR,
+                                        exclusive_minimum=True),
+        "highFreqFactor": scaling.number("highFreqFactor", 4.0, minimum=0, maximum=MAX_ROPE_FACTOR,
+                                         exclusive_minimum=True),
+        "originalMaxPositionEmbeddings": scaling.integer("originalMaxPositionEmbeddings", 8192,
+                                                         maximum=MAX_SEQUENCE_LENGTH),
+    }
+    scaling.finish()
+    if len(scaling.errors) > before:
+        return None
+    if not values["lowFreqFactor"] < values["highFreqFactor"]:
+        scaling.error("highFreqFactor", f"must be greater than lowFreqFactor ({values['lowFreqFactor']:g}), "
+                                        f"got {values['highFreqFactor']:g}")
+        return None
+    return values
 
 
 def _read_parallelism(par: Fields | None) -> ParallelismSpec | None:

@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 from kareus.spec.overrides import PodOverride
-from kareus.workload.models import ModelShape, get_preset
+from kareus.workload.models import ModelShape, RopeScaling, get_preset
 
 DEFAULT_GPU_PRODUCT = "A100-SXM4-40GB"
 DEFAULT_MANAGED_BY = "kareus.dev/operator"
@@ -34,6 +34,17 @@ SHAPE_FIELDS: tuple[tuple[str, str], ...] = (
     ("vocab", "vocab_size"),
     ("qkNorm", "qk_norm"),
     ("tiedEmbeddings", "tied_embeddings"),
+    ("ropeTheta", "rope_theta"),
+    ("normEps", "norm_eps"),
+    ("ropeScaling", "rope_scaling"),
+)
+# `ropeScaling`'s manifest fields: (name, RopeScaling attribute, default; None: required).
+ROPE_SCALING_FIELDS: tuple[tuple[str, str, Any], ...] = (
+    ("type", "type", None),
+    ("factor", "factor", None),
+    ("lowFreqFactor", "low_freq_factor", 1.0),
+    ("highFreqFactor", "high_freq_factor", 4.0),
+    ("originalMaxPositionEmbeddings", "original_max_position_embeddings", 8192),
 )
 # What an explicit shape must give when there is no preset to start from.
 EXPLICIT_REQUIRED = ("layers", "hidden", "ffnHidden", "heads", "kvHeads", "vocab")
@@ -56,9 +67,22 @@ def _with_head_dim(values: dict[str, Any]) -> dict[str, Any]:
     return {"headDim": values["hidden"] // values["heads"]} | dict(values)
 
 
+def rope_scaling_of(values: dict[str, Any]) -> RopeScaling:
+    """A manifest's `ropeScaling` object as a `RopeScaling` (defaults filled in)."""
+    return RopeScaling(**{attr: values.get(key, default) for key, attr, default in ROPE_SCALING_FIELDS})
+
+
+def rope_scaling_manifest(scaling: RopeScaling) -> dict[str, Any]:
+    """The manifest form of `scaling`, every field given."""
+    return {key: getattr(scaling, attr) for key, attr, _ in ROPE_SCALING_FIELDS}
+
+
 def _reshaped(base: ModelShape, name: str, values: dict[str, Any]) -> ModelShape:
     """`base` with the manifest-named dimensions in `values` replaced."""
     attrs = dict(SHAPE_FIELDS)
+    values = dict(values)
+    if "ropeScaling" in values:
+        values["ropeScaling"] = rope_scaling_of(values["ropeScaling"])
     return replace(base, name=name, **{attrs[key]: value for key, value in values.items()})
 
 
@@ -68,14 +92,16 @@ class ModelSpec:
 
     `overrides` maps manifest field names (`layers`, `hidden`, …) to values; with a preset they
     replace the preset's dimensions, without one they are the whole shape (`headDim` defaults to
-    hidden / heads, `qkNorm` and `tiedEmbeddings` to false).
+    hidden / heads, `qkNorm` and `tiedEmbeddings` to false, `ropeTheta` to 500000, `normEps` to
+    1e-5, no `ropeScaling`). `ropeScaling` is an object (its manifest form, every field given).
     """
 
     preset: str | None = None
-    overrides: dict[str, int | bool] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     def __hash__(self) -> int:
-        return hash((self.preset, _items(self.overrides)))
+        return hash((self.preset, _items({k: _items(v) if isinstance(v, dict) else v
+                                          for k, v in self.overrides.items()})))
 
     def shape(self) -> ModelShape:
         values = dict(self.overrides)
