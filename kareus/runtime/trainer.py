@@ -3,7 +3,8 @@
 `TrainConfig` is everything a run needs besides the schedule (model shape, layout, batch, steps,
 optimizer, data, outputs). `run_rank(ctx, config, schedule)` is one process's loop: build its
 stage's parameters, follow its stage of the schedule every iteration, synchronise gradients over
-data parallelism (and tied embeddings across the pipeline ends), step the optimizer, account
+data parallelism (and tied embeddings across the pipeline ends), clip them by the global norm and
+step the optimizer at the schedule's rate (`OptimizerRecipe`; in bf16 on fp32 masters), account
 energy, write `train.jsonl` (rank 0) and serve metrics. `train(job, plan, ...)` runs a job from its
 `KareusJob` spec and an optional plan: in-process under `torchrun` (or for one process), or by
 spawning the job's processes on this machine (CPU, gloo).
@@ -190,11 +191,10 @@ class TrainConfig:
 
 def _recipe_fields(training) -> dict:
     """The optimizer recipe, precision and TF32 switch of `spec.training`."""
-    out: dict = {"recipe": OptimizerRecipe.from_spec(getattr(training, "optimizer", None))}
-    precision = getattr(training, "precision", None)
-    if precision is not None:
-        out["dtype"] = PRECISIONS[precision]
-    if getattr(training, "tf32", None) is not None:
+    out: dict = {"recipe": OptimizerRecipe.from_spec(training.optimizer)}
+    if training.precision is not None:
+        out["dtype"] = PRECISIONS[training.precision]
+    if training.tf32 is not None:
         out["tf32"] = training.tf32
     return out
 
@@ -291,7 +291,6 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     first_step = resumed.step if resumed else 0
     if resumed:
         masters.to_model()
-    if resumed:
         running.resumed(ctx, resumed)
     outputs = _Outputs(ctx, config, schedule)
     records: list[StepRecord] = []
