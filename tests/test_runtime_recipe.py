@@ -9,7 +9,9 @@ reach its losses.
 
 from __future__ import annotations
 
+import json
 import math
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -171,8 +173,10 @@ def test_resumed_bf16_run_continues_the_schedule_and_the_losses(tmp_path):
     saving = replace(config, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3)
     with pytest.raises(_Interrupted):
         run_rank(ctx, saving, Schedule.uniform(1, 2), step_hook=_stop_at(3))
-    resumed, _ = run_rank(ctx, saving, Schedule.uniform(1, 2))
+    resumed, _ = run_rank(ctx, replace(saving, out_dir=str(tmp_path / "out")), Schedule.uniform(1, 2))
     assert resumed.first_step == 3
+    lines = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    assert [(r["lr"], r["grad_norm"]) for r in lines] == list(zip(resumed.lrs, resumed.grad_norms, strict=True))
     assert resumed.lrs == reference.lrs[3:]  # the schedule's state is the step
     assert len(set(reference.lrs)) == 6  # warmup and decay: every step its own rate
     assert resumed.losses == pytest.approx(reference.losses[3:], rel=1e-5)
@@ -271,3 +275,18 @@ def test_train_flags_override_the_spec(tmp_path):
                                      decay_embeddings=False)
     with pytest.raises(KareusError, match=r"--beta2 must be in \[0, 1\), got 1.0"):
         cli._check_args(parser.parse_args(["train", str(path), "--beta2", "1"]))
+
+
+def test_grad_norm_and_lr_gauges():
+    from kareus import metric_names
+    from kareus.runtime.metrics import MetricsExporter, StepRecord
+
+    exporter = MetricsExporter(0, addr="127.0.0.1", rank=0, job="recipe")
+    try:
+        exporter.observe(StepRecord(0, 5.5, 0.1, 1.0, 64, 64.0, None, "simulated", grad_norm=1.25, lr=7.5e-4), 0.5)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10).read().decode()
+    finally:
+        exporter.close()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith((metric_names.GRAD_NORM, metric_names.LEARNING_RATE))}
+    assert values == {metric_names.GRAD_NORM: 1.25, metric_names.LEARNING_RATE: 7.5e-4}
