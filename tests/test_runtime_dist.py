@@ -19,6 +19,7 @@ import torch
 from kareus.daemon_client import RecordingClockClient
 from kareus.runtime import Schedule, TrainConfig, run_rank
 from kareus.runtime.model import shard
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed, spawn_local
 from kareus.runtime.schedule import RunInstruction
 from kareus.workload.models import get_preset
@@ -33,7 +34,8 @@ def _config(tp: int, pp: int, dp: int, m: int, ac: bool = True, cp: int = 1) -> 
     # lr 0.1: stable (the loss falls every step), so layouts differ by round-off only (3.8e-7 relative);
     # at 0.5, with the norms at one since the init fix, the loss spikes and amplifies it past 1e-5.
     return TrainConfig(shape=TINY, seq_len=16, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=2, num_microbatches=m,
-                       steps=STEPS, seed=5, optimizer="sgd", lr=0.1, activation_checkpointing=ac, device="cpu")
+                       steps=STEPS, seed=5, recipe=OptimizerRecipe.constant("sgd", 0.1), activation_checkpointing=ac,
+                       device="cpu")
 
 
 def _types(tp: int, cp: int) -> dict:

@@ -49,6 +49,7 @@ from kareus.runtime.comm import (
 )
 from kareus.runtime.layer_ops import LayerOp, LayerProgram, route_backward
 from kareus.runtime.model import StageModel
+from kareus.runtime.precision import accumulate_grad
 from kareus.workload.partitions import MERGING_GROUPS, PartitionConfig
 
 NUM_NANOBATCHES = 2
@@ -298,10 +299,7 @@ class PartitionedBlock(StageBlock):
         grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
         for param, grad in zip(params, grads[len(rec.inputs):], strict=True):
             if grad is not None:
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad += grad
+                accumulate_grad(param, grad)  # into the fp32 main_grad in bf16 (kareus.runtime.precision)
         return grads[:len(rec.inputs)]
 
     # the partition loop ------------------------------------------------------------------------
