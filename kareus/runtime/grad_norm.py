@@ -5,10 +5,10 @@ that its data- and context-parallel replicas hold alike. The norm must count eve
 element of the model exactly once, whatever the layout, so a TP2 × PP2 run clips exactly as a
 single process would:
 
-- a TP-sharded parameter (QKV, FC1, projection, FC2; any parameter whose local size is less than
-  its full size) is counted on every TP rank, each for its own shard;
-- a TP-replicated parameter (norm gains, replicated embedding and output layer) is counted on
-  TP rank 0 only;
+- a TP-sharded parameter (QKV, FC1, projection, FC2, the vocab-parallel embedding and output
+  layer; any parameter whose local size is less than its full size) is counted on every TP rank,
+  each for its own shard;
+- a TP-replicated parameter (norm gains; a table at TP1) is counted on TP rank 0 only;
 - a tied embedding held by both pipeline ends is counted on the first stage only;
 - data- and context-parallel replicas (their gradients already summed, so equal) are counted on
   replica 0 only.
