@@ -101,6 +101,8 @@ def test_which_copies_count_towards_the_norm():
     assert not counted_here("layers.0.norm_attn", norm, TINY, tp_rank=1, **coords)  # replicated: TP rank 0
     assert counted_here("layers.0.norm_attn", norm, TINY, tp_rank=0, **coords)
     table = torch.zeros(TINY.vocab_size, TINY.hidden_size)
+    half_table = shard("output", table, TINY, 1, 2)  # vocab-parallel: every TP rank counts its rows
+    assert counted_here("output", half_table, TINY, tp_rank=1, **coords)
     assert not counted_here("embedding", table, tied, tp_rank=0, pp_rank=1, dp_rank=0, cp_rank=0)
     assert counted_here("embedding", table, TINY, tp_rank=0, pp_rank=1, dp_rank=0, cp_rank=0)  # untied: its own
     for replica in ({"dp_rank": 1, "cp_rank": 0}, {"dp_rank": 0, "cp_rank": 1}):
