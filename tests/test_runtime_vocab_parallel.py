@@ -117,3 +117,22 @@ def test_a_vocabulary_the_tensor_degree_does_not_divide_is_refused():
     with pytest.raises(KareusError, match=r"spec.model.vocab=255 is not divisible by tensor parallelism 2") as info:
         StageModel(replace(TINY, vocab_size=255), HEAD_ONLY, tp=2, tp_rank=0)
     assert info.value.exit_code == EXIT_CONFIG
+
+
+@pytest.mark.parametrize("layout", ["row-shards", "replicated-before"])
+def test_a_checkpoints_vocabulary_rows_join_into_the_table(tmp_path, layout):
+    """`--init-from` / export join a checkpoint's TP row shards of a table; a checkpoint written
+    before the vocab-parallel layers (the whole table under every TP rank's key) still reads."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from kareus.runtime.init_from import KareusReader
+
+    table = torch.randn(TINY.vocab_size, TINY.hidden_size, generator=torch.Generator().manual_seed(1))
+    pieces = table.chunk(2) if layout == "row-shards" else (table, table)
+    state = {f"model/output/tp{r}of2": piece.clone() for r, piece in enumerate(pieces)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    assert torch.equal(KareusReader(tmp_path, TINY).full("output"), table)
