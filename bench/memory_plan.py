@@ -103,7 +103,7 @@ def _train(case: Case, steps: int) -> None:
     ctx = DistContext(Layout(1, 1, 1, 1), 0, torch.device("cpu"))
     schedule = Schedule.uniform(1, case.num_microbatches, mode=case.engine)
     executor = StageExecutor(model, ctx, GroupComm(None, 1), PlanFollower(schedule.stages[0]), case.seq_len,
-                             case.micro_batch_size, case.checkpointing == "stage")
+                             case.micro_batch_size, case.checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     tokens = case.micro_batch_size * case.seq_len * case.num_microbatches
     for step in range(steps):
