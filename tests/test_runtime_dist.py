@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kareus.daemon_client import RecordingClockClient
+from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.runtime import Schedule, TrainConfig, run_rank
 from kareus.runtime.model import shard
 from kareus.runtime.parallel import init_distributed, spawn_local
@@ -152,3 +153,11 @@ def _tied_worker(rank: int, store, config: TrainConfig, out: str) -> None:
 def test_schedule_instruction_types_are_checked():
     with pytest.raises(Exception, match="backward of microbatch 0 before its forward"):
         Schedule(((RunInstruction("backward", 0), RunInstruction("forward", 0)),), 1)
+
+
+def test_activation_checkpointing_modes_are_checked():
+    assert _config(1, 1, 1, 1, ac="stage").activation_checkpointing == "stage"
+    with pytest.raises(KareusError, match="activation_checkpointing: 'selective' is not allowed; allowed: true, "
+                                          "false, none, stage, layer") as err:
+        _config(1, 1, 1, 1, ac="selective")
+    assert err.value.exit_code == EXIT_CONFIG
