@@ -62,7 +62,8 @@ def test_recipe_defaults_resolve_per_run():
 
 
 def test_bad_recipe_values_name_the_field():
-    for values, field in (({"lr": 0.0}, "optimizer.lr"), ({"name": "lamb"}, "optimizer.name"),
+    assert OptimizerRecipe(lr=0.0).lr == 0.0  # a frozen run: a weights round trip, a model's loss as it is
+    for values, field in (({"lr": -1e-3}, "optimizer.lr"), ({"lr": 11.0}, "optimizer.lr"), ({"name": "lamb"}, "optimizer.name"),
                           ({"schedule_kind": "step"}, "optimizer.schedule"), ({"beta2": 1.0}, "optimizer.beta2"),
                           ({"lr": 1e-3, "min_lr": 1e-2}, "optimizer.minLr"),
                           ({"warmup_steps": 10, "decay_steps": 5}, "optimizer.decaySteps"),

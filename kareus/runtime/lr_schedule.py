@@ -43,8 +43,8 @@ class LrSchedule:
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
             _bad("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.kind!r}")
-        if not self.peak_lr > 0:
-            _bad("lr", f"must be > 0, got {self.peak_lr!r}")
+        if not self.peak_lr >= 0:  # 0: a frozen run
+            _bad("lr", f"must be >= 0, got {self.peak_lr!r}")
         if not 0 <= self.min_lr <= self.peak_lr:
             _bad("minLr", f"must be in [0, lr = {self.peak_lr:g}], got {self.min_lr!r}")
         if self.warmup_steps < 0:

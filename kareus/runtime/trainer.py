@@ -61,7 +61,7 @@ from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
 from kareus.runtime.model import StageLayout, StageModel
 from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import DistContext, Layout, NodeGroup, init_distributed, shutdown, spawn_local
-from kareus.runtime.pipeline import StageExecutor
+from kareus.runtime.pipeline import StageExecutor, checkpointing_mode
 from kareus.runtime.precision import MasterParams
 from kareus.runtime.reload import PlanRollout, broadcast_bytes
 from kareus.runtime.schedule import Schedule
@@ -101,7 +101,8 @@ class TrainConfig:
     cp: int = 1
     micro_batch_size: int = 2
     num_microbatches: int = 1
-    activation_checkpointing: bool = True
+    # True/False are "layer"/"none"; "stage" (the whole stage recomputed) stays selectable for comparison.
+    activation_checkpointing: bool | str = True
     steps: int = 10
     seed: int = 0
     # Optimizer, schedule, weight decay, clipping (`spec.training.optimizer`); its open values
@@ -156,6 +157,7 @@ class TrainConfig:
             raise KareusError(f"steps must be >= 0, got {self.steps}")
         if self.clock_lead_s < 0:
             raise KareusError(f"clock_lead_s must be >= 0, got {self.clock_lead_s}")
+        checkpointing_mode(self.activation_checkpointing)
         self.straggler_policy  # noqa: B018 — validates the straggler settings
         self.checkpoint_settings  # noqa: B018 — validates the checkpoint settings
         SimStraggler.parse(self.sim_straggler)
@@ -674,7 +676,8 @@ def _simulated_energy(config: TrainConfig, schedule: Schedule, clock_ceiling_mhz
                       power_limit_w: float | None = None) -> SimulatedEnergy:
     mbs = config.micro_batch_size + config.micro_batch_size % 2  # the workload counts nanobatch pairs
     workload = build_workload(config.shape, tp=config.tp, cp=config.cp, pp=config.pp, seq_len=config.seq_len,
-                              micro_batch_size=mbs, activation_checkpointing=config.activation_checkpointing,
+                              micro_batch_size=mbs,
+                              activation_checkpointing=checkpointing_mode(config.activation_checkpointing) != "none",
                               stage_layers=config.layers_per_stage)
     return SimulatedEnergy(workload, config.gpu_product, schedule, config.tp * config.cp * config.dp,
                            clock_ceiling_mhz=clock_ceiling_mhz, calibration=_calibration(config.sim_params),
