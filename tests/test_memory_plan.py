@@ -95,7 +95,7 @@ def test_vocab_parallel_divides_the_logits():
 
 def test_the_refusal_names_the_rank_the_need_the_capacity_and_every_nonzero_part_in_order():
     job = load_job(ROOT / "examples" / "llama3.1-8b-checkpointed.yaml")
-    plan = memory_plan(job)
+    plan = memory_plan(job, vocab_parallel=False)  # the replicated tables of before: 61.6 GiB, it fits no more
     message = plan.fits(get_gpu("A100-SXM4-40GB"))
     worst = plan.worst
     assert message.startswith(f"stage {worst.stage} rank needs {worst.peak_gib:.1f} GiB on A100-SXM4-40GB (weights ")
