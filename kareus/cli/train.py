@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from kareus.errors import KareusError
+from kareus.errors import EXIT_CONFIG, KareusError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="keep the last K complete checkpoints (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default 0)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/train.jsonl (rank 0)")
+    parser.add_argument("--export-dir", metavar="DIR", help="after the final step, save a checkpoint of it (if "
+                        "there is none) and write it as a Hugging Face model directory into DIR (via DIR.partial, "
+                        "renamed when complete; an export already there is kept); needs --checkpoint-dir")
     parser.add_argument("--nproc", type=int, help="processes to start on this node (default: all); with "
                         "NNODES nodes, nproc × NNODES must equal tensor×context×pipeline×data")
     parser.add_argument("--schedule", choices=("plan", "sequential"), default="plan",
@@ -111,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
                  "metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr, "device": args.device,
                  "dtype": args.dtype, "comm_standin": args.comm_standin,
                  "job_name": job.name, "plan_path": args.plan, "plan_digest": digest, "sim_params": args.sim_params}
+    if args.export_dir:
+        overrides["export_dir"] = args.export_dir
     if args.steps is not None:
         overrides["steps"] = args.steps
     if plan is not None:
@@ -122,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     result = train(job, plan, schedule_mode=args.schedule, nproc=args.nproc, **overrides)
     if int(os.environ.get("RANK", "0")) == 0:
         _print_summary(result, args.json)
+        if result.exported and not args.json:
+            print(f"export: {result.exported} (a Hugging Face model directory)")
     if result.stopped_early:
         kept = (f"; checkpoint after step {result.checkpoint_step} saved" if result.checkpoint_step is not None
                 else "; no checkpoint kept (no --checkpoint-dir)")
@@ -143,6 +150,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise KareusError(f"--lr must be > 0, got {args.lr}")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise KareusError("--checkpoint-every needs --checkpoint-dir")
+    if args.export_dir and not args.checkpoint_dir:
+        raise KareusError("--export-dir needs --checkpoint-dir: the export is written from the final step's checkpoint",
+                          exit_code=EXIT_CONFIG)
 
 
 def _print_summary(result, as_json: bool) -> None:
@@ -158,6 +168,7 @@ def _print_summary(result, as_json: bool) -> None:
         "modelled_iteration_time_s": result.modelled_time_s,
         "tokens_per_step": result.tokens_per_step,
         "out_dir": result.out_dir,
+        "exported": result.exported,
     }
     if as_json:
         print(json.dumps(summary))
