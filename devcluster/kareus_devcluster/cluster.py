@@ -246,7 +246,10 @@ class DevCluster(Started):
         return {
             "crds": {"install": crds},
             "operator": {"replicas": 1 if operator else 0,
-                         "settings": {k.removeprefix("KAREUS_OPERATOR_"): str(v) for k, v in settings.items()},
+                         # Emulated GPUs train CPU proxies: a job whose GPU model would not fit its GPU's
+                         # memory (the quickstart's Llama 3.2 3B) gets a Warning Event and still runs.
+                         "settings": {"MEMORY_CHECK": "warn",
+                                      **{k.removeprefix("KAREUS_OPERATOR_"): str(v) for k, v in settings.items()}},
                          "args": {"watchNamespaces": list(self.watch_namespaces if watch_namespaces is None
                                                           else watch_namespaces),
                                   "extra": list(self.operator_args if args is None else args)}},

@@ -23,6 +23,8 @@ COMMANDS: tuple[tuple[str, str, str | None], ...] = (
     ("profile", "profile", None),
     ("optimize", "optimize", None),
     ("train", "train", None),
+    ("export", "export", None),
+    ("model", "model", "model"),
     ("compare", "compare", None),
     ("frontier", "frontier", None),
     ("plan", "plan_show", "plan"),
@@ -41,6 +43,7 @@ GROUP_HELP = {
     "sim": "explore the simulated GPU",
     "plan": "inspect plans",
     "clock": "talk to the node daemon",
+    "model": "model shapes from published models",
     "data": "prepare training data (text in)",
 }
 

@@ -44,6 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="save after every N steps (default 0: only when SIGTERM stops the run)")
     parser.add_argument("--checkpoint-keep", type=int, default=2, metavar="K",
                         help="keep the last K complete checkpoints (default 2)")
+    parser.add_argument("--init-from", metavar="DIR", help="start from these weights: a Hugging Face model "
+                        "directory (config.json + safetensors) or a Kareus checkpoint of any layout (model weights "
+                        "only, a new optimizer); its config is checked against the job's model first; ignored when "
+                        "--checkpoint-dir holds a checkpoint of this run")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default 0)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/train.jsonl (rank 0)")
     parser.add_argument("--export-dir", metavar="DIR", help="after the final step, save a checkpoint of it (if "
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"seed": args.seed, "data_path": args.data, "data_format": args.data_format,
                  "data_dtype": args.data_dtype, "checkpoint_dir": args.checkpoint_dir,
                  "checkpoint_every": args.checkpoint_every, "checkpoint_keep": args.checkpoint_keep,
-                 "out_dir": args.out, "lr": args.lr,
+                 "init_from": args.init_from, "out_dir": args.out, "lr": args.lr,
                  "optimizer": args.optimizer,
                  # the endpoint: a socket path or tcp://HOST:PORT (kareus.daemon_client connects to either)
                  "daemon_socket": daemon_endpoint(args.daemon_socket, args.daemon_address),
@@ -146,8 +150,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise KareusError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     if args.metrics_port is not None and args.metrics_port > 65535:
         raise KareusError(f"--metrics-port must be <= 65535, got {args.metrics_port}")
-    if not args.lr > 0:
-        raise KareusError(f"--lr must be > 0, got {args.lr}")
+    if not args.lr >= 0:  # 0: a frozen run (a weights round trip, an evaluation of the loss)
+        raise KareusError(f"--lr must be >= 0, got {args.lr}")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise KareusError("--checkpoint-every needs --checkpoint-dir")
     if args.export_dir and not args.checkpoint_dir:

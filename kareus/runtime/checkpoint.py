@@ -156,8 +156,12 @@ def _empty_state(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter) ->
 class Checkpointer:
     """Saves and finds this job's checkpoints; every rank makes the same calls in the same order."""
 
-    def __init__(self, settings: CheckpointSettings, identity: Identity, *, rank: int, world: int) -> None:
+    def __init__(self, settings: CheckpointSettings, identity: Identity, *, rank: int, world: int,
+                 provenance: dict[str, Any] | None = None) -> None:
         self.settings, self.identity = settings, identity
+        # Written into every manifest, never compared on resume: where the weights came from
+        # (`init_from`), so `kareus export` can find the tokenizer of the model the run started from.
+        self.provenance = dict(provenance or {})
         self.root = Path(settings.directory)
         self.rank, self.world = rank, world
 
@@ -181,7 +185,8 @@ class Checkpointer:
         if self.rank == 0:
             manifest = {"version": FORMAT_VERSION, "step": step, "reason": reason,
                         "time": datetime.now(UTC).isoformat(timespec="seconds"), "plan_revision": plan_revision,
-                        "plan_digest": plan_digest, "world_size": self.world, **self.identity.as_dict(),
+                        "plan_digest": plan_digest, "world_size": self.world, **self.provenance,
+                        **self.identity.as_dict(),
                         "files": files}
             _write_durably(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
             replaced = None
@@ -211,11 +216,7 @@ class Checkpointer:
 
     def complete(self) -> list[Path]:
         """Complete checkpoint directories (those with a manifest), newest first."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
-                 and p.name[len(_PREFIX):].isdigit() and (p / MANIFEST).exists()]
-        return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]), reverse=True)
+        return complete_checkpoints(self.root)
 
     def resume(self, state: TrainState, total_steps: int) -> Resumed | None:
         """Load the newest usable checkpoint into `state` (collective); None when there is none."""
@@ -233,6 +234,8 @@ class Checkpointer:
                 skipped.append(f"{path.name}: {problem}")
                 continue
             manifest = json.loads((path / MANIFEST).read_text())
+            if "init_from" in manifest and "init_from" not in self.provenance:  # a resume without --init-from
+                self.provenance["init_from"] = manifest["init_from"]
             if manifest["step"] > total_steps:
                 raise KareusError(f"--checkpoint-dir {self.root}: checkpoint {path.name} is after step "
                                   f"{manifest['step']}, beyond --steps {total_steps} (the total, not steps to add)")
@@ -312,6 +315,16 @@ class Checkpointer:
         shares: list[dict[str, Any] | None] = [None] * self.world
         dist.all_gather_object(shares, share)
         return {name: entry for part in shares for name, entry in (part or {}).items()}
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoint directories (`step-N` with a manifest) under `root`, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
+             and p.name[len(_PREFIX):].isdigit() and (p / MANIFEST).exists()]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]), reverse=True)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -147,14 +147,19 @@ class StageModel(nn.Module):
     """Parameters of one stage on one TP rank, plus the embedding and head computations."""
 
     def __init__(self, shape: ModelShape, layout: StageLayout, *, tp: int = 1, tp_rank: int = 0, seed: int = 0,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 params: Iterable[tuple[str, Tensor]] | None = None) -> None:
+        """`params`: (name, this rank's value) of every parameter in `initial_params`' order, made
+        one at a time (pretrained weights, `kareus.runtime.init_from`); default: `initial_params`."""
         super().__init__()
         self.shape = shape
         self.layout = layout
         self.local = LocalShape.of(shape, tp)
         self.tp, self.tp_rank = tp, tp_rank
         self.params = nn.ParameterDict()
-        for name, local in initial_params(shape, layout, tp, tp_rank, seed):
+        if params is None:
+            params = initial_params(shape, layout, tp, tp_rank, seed)
+        for name, local in params:
             self.params[_key(name)] = nn.Parameter(local.to(device=device, dtype=dtype))
             del local  # on a GPU the host copy goes before the next full tensor is made
 

@@ -42,13 +42,21 @@ from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.gpu.pairing import EnergyAttributionError
 from kareus.plan import plan_at_row
 from kareus.runtime import stopping
-from kareus.runtime.checkpoint import Checkpointer, CheckpointSettings, Identity, Resumed, TrainState
+from kareus.runtime.checkpoint import (
+    Checkpointer,
+    CheckpointSettings,
+    Identity,
+    Resumed,
+    TrainState,
+    complete_checkpoints,
+)
 from kareus.runtime.clocking import CudaProgress, HostProgress
 from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, TokenData, builtin_corpus_allowed, load_data
 from kareus.runtime.energy import MeasuredEnergy, SimulatedEnergy, TwinEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
 from kareus.runtime.gradsync import all_reduce_bucketed
+from kareus.runtime.init_from import InitSource, check_source, stage_params
 from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
 from kareus.runtime.model import StageLayout, StageModel
 from kareus.runtime.parallel import DistContext, Layout, NodeGroup, init_distributed, shutdown, spawn_local
@@ -129,6 +137,9 @@ class TrainConfig:
     sim_straggler: str | None = field(default_factory=lambda: os.environ.get(SIM_STRAGGLER_ENV) or None)
     cpu_proxy: tuple[ModelShape, int] | None = None  # trained on CPU instead of (shape, seq_len)
     sim_params: str | None = None  # `kareus sim calibrate` file for the simulated GPU's accounting
+    # Starting weights: a Hugging Face model directory or a Kareus checkpoint (`kareus.runtime.init_from`);
+    # ignored when --checkpoint-dir already holds a checkpoint of this run (it wins).
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -244,8 +255,10 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                  "%s's on the simulated %s", trained.shape.name, trained.shape.hidden_size, trained.shape.num_layers,
                  trained.seq_len, config.shape.name, config.gpu_product)
     layout = StageLayout.of(ctx.pp_rank, trained.layers_per_stage)
+    source = _init_source(config, trained, ctx.rank)
+    pretrained = stage_params(source, trained.shape, layout, config.tp, ctx.tp_rank) if source else None
     model = StageModel(trained.shape, layout, tp=config.tp, tp_rank=ctx.tp_rank, seed=config.seed,
-                       device=ctx.device, dtype=DTYPES[config.dtype])
+                       device=ctx.device, dtype=DTYPES[config.dtype], params=pretrained)
     tp, cp = _comms(ctx, config, schedule, cuda)
     meter = _nvml_meter(ctx) if cuda else None
     # On CPU, the node's simulated GPU when it is a shared device (dev cluster): the agent reads it too.
@@ -374,6 +387,20 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     return result, (model if keep_model else None)
 
 
+def _init_source(config: TrainConfig, trained: TrainedModel, rank: int) -> InitSource | None:
+    """Where this run's starting weights come from (None: the seeded random initialisation).
+    The source's shape is checked against the trained model before any weight is read."""
+    if not config.init_from:
+        return None
+    if config.checkpoint_dir and complete_checkpoints(config.checkpoint_dir):
+        if rank == 0:
+            log.info("--init-from %s ignored: --checkpoint-dir %s holds a checkpoint of this run, which wins",
+                     config.init_from, config.checkpoint_dir)
+        return None
+    source = check_source(config.init_from, trained.shape)
+    if rank == 0:
+        log.info("initialising the weights from %s (the optimizer starts afresh)", source.describe())
+    return source
 
 
 def _checkpointer(ctx: DistContext, config: TrainConfig, trained: TrainedModel, data: TokenData) -> Checkpointer | None:
@@ -387,7 +414,8 @@ def _checkpointer(ctx: DistContext, config: TrainConfig, trained: TrainedModel, 
               "micro_batch_size": config.micro_batch_size, "num_micro_batches": config.num_microbatches}
     identity = Identity(config.job_name, model, layout, config.optimizer, config.dtype,
                         {**data.identity, "seed": config.seed})
-    return Checkpointer(settings, identity, rank=ctx.rank, world=config.layout.world_size)
+    provenance = {"init_from": str(Path(config.init_from).resolve())} if config.init_from else {}
+    return Checkpointer(settings, identity, rank=ctx.rank, world=config.layout.world_size, provenance=provenance)
 
 
 class _Running:
@@ -656,12 +684,16 @@ def _optimizer(config: TrainConfig, model: StageModel) -> torch.optim.Optimizer:
 
 
 def _sync_gradients(ctx: DistContext, model: StageModel) -> None:
-    """Sum gradients over the data- and context-parallel replicas (bucket by bucket) and tied
-    embeddings over the pipeline ends."""
+    """Sum gradients over the data- and context-parallel replicas (bucket by bucket), the q/k norms'
+    over tensor parallelism, and tied embeddings over the pipeline ends."""
     params = list(model.parameters())
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    if ctx.tp_group is not None and model.shape.qk_norm:
+        # q/k norms act per head and each TP rank holds only its heads: their gradients are partial sums.
+        all_reduce_bucketed([p.grad for n, p in model.named_model_params().items()
+                             if n.endswith(("q_norm", "k_norm"))], ctx.tp_group)
     if ctx.grad_group is not None:
         all_reduce_bucketed([p.grad for p in params], ctx.grad_group)
     if ctx.end_group is not None and model.shape.tied_embeddings:
@@ -779,6 +811,8 @@ def train(job, plan=None, *, schedule_mode: str = "plan", nproc: int | None = No
                           f"but tensor×context×pipeline×data = {world}")
     with tempfile.TemporaryDirectory(prefix="kareus-train-") as tmp:
         device = _spawn_device(config.device, per_node)
+        # A wrong --init-from is one error here, not one per rank after the spawn.
+        _init_source(config, config.trained_model(device == "cuda"), rank=1)
         spawn_local(per_node, _spawned_rank, replace(config, device=device), schedule, plan, tmp, nodes=nodes)
         return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
 

@@ -51,6 +51,7 @@ class GPUSpec:
     voltage_min_ratio: float
     hbm_pj_per_byte: float
     voltage_curve_exponent: float = 1.0
+    memory_gib: float = 0.0  # device memory as nvidia-smi's memory.total reports it, in GiB
 
     @property
     def supported_clocks_mhz(self) -> tuple[int, ...]:
@@ -121,8 +122,19 @@ GPU_FITTABLE: dict[str, tuple[float, float]] = {
     "p_static_w": (30.0, 150.0),
 }
 
+# Device memory, nvidia-smi's memory.total in MiB (the datasheets' 40/80 GB HBM2e, 48 GB GDDR6,
+# 80 GB HBM3 and 141 GB HBM3e, less what the driver keeps for ECC and itself).
+_MEMORY_MIB = {
+    "A100-SXM4-40GB": 40960,
+    "A100-SXM4-80GB": 81920,
+    "A40": 46068,
+    "H100-SXM5-80GB": 81559,
+    "H200-SXM-141GB": 143771,
+}
+
 GPUS: dict[str, GPUSpec] = {
-    row[0]: GPUSpec(*row, *_PHYSICS[row[0]]) for row in _ENVELOPES  # type: ignore[arg-type]
+    row[0]: GPUSpec(*row, *_PHYSICS[row[0]], memory_gib=_MEMORY_MIB[row[0]] / 1024)  # type: ignore[arg-type]
+    for row in _ENVELOPES
 }
 
 _ALIASES = {

@@ -37,7 +37,9 @@ from kareus.override_policy import check_overrides
 from kareus.plan import Plan, reselect
 from kareus.policy import ClusterPolicy, check_job, load_policy
 from kareus.profiler.key import profile_key
+from kareus.sim.gpus import get_gpu
 from kareus.spec import JobSpec, SpecError, parse_job
+from kareus.workload.memory import memory_plan
 from kareus_operator import conditions as cond
 from kareus_operator import manifests as mf
 from kareus_operator.admission_check import rejection
@@ -219,7 +221,7 @@ class Reconciler:
             return p.outcome()
         p.status.setdefault("startTime", iso(p.now))
         p.status.setdefault("restarts", 0)
-        if await self._refused_by_policy(p, spec) or await self._past_deadline(p, spec):
+        if await self._refused_by_policy(p, spec) or self._does_not_fit(p, spec) or await self._past_deadline(p, spec):
             return p.outcome()
         if await self._suspended(p, spec):
             return p.outcome()
@@ -289,6 +291,27 @@ class Reconciler:
             return False
         message = "; ".join(f"policy.{v.rule}: {v.message}" for v in violations)
         p.want("Failed", True, "PolicyViolation", message)
+        return True
+
+    def _does_not_fit(self, p: _Pass, spec: JobSpec) -> bool:
+        """Fail a job whose memory plan does not fit its GPU before any child exists (the message is
+        `kareus validate`'s line); with `memory_check: warn` a Warning Event says so and the job goes on. Checked until the job
+        is first admitted (Profiled), like the policy: a running job is not failed by a new estimate."""
+        if self.settings.memory_check == "off" or p.true("Profiled"):
+            return False
+        try:
+            refusal = memory_plan(spec).fits(get_gpu(spec.gpu_product))
+        except KareusError as error:  # an unplannable spec: the spec's own checks should have caught it
+            refusal = f"no memory plan: {error}"
+        if refusal is None:
+            return False
+        if self.settings.memory_check == "warn":
+            # An Event on the pass that admits the job (no Profiled condition yet), not a condition:
+            # the job runs as if it fitted, and its conditions say only what it did.
+            if cond.find(p.conditions, "Profiled") is None:
+                p.events.append(("Warning", "DoesNotFit", f"{refusal} (memory check: warn, running anyway)"))
+            return False
+        p.want("Failed", True, "DoesNotFit", refusal)
         return True
 
     async def _past_deadline(self, p: _Pass, spec: JobSpec) -> bool:

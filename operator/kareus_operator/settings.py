@@ -45,6 +45,7 @@ DAEMON_TOKEN_DIR = "/var/run/secrets/kareus.dev/node"
 # The runtime image as `make images` tags it (images/runtime.Dockerfile), the chart's operator.workerImage.
 DEFAULT_IMAGE = f"localhost/kareus/runtime:{__version__}"
 PULL_POLICIES = ("", "Always", "IfNotPresent", "Never")
+MEMORY_CHECKS = ("refuse", "warn", "off")
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,10 @@ class Settings:
     leader_election_lease: str = "kareus-operator"
     lease_duration_s: float = 15.0
     extra_pod_env: Mapping[str, str] = field(default_factory=dict)
+    # A job whose memory plan (kareus.workload.memory) does not fit its GPU: `refuse` fails it before any
+    # child exists (reason DoesNotFit); `warn` says so in a Warning Event and goes on (the dev cluster:
+    # emulated GPUs train CPU proxies of jobs meant for real ones); `off` skips the plan.
+    memory_check: str = "refuse"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -201,6 +206,8 @@ def _parse(name: str, raw: str, default: object) -> object:
             return number
         if name == "image_pull_policy" and raw not in PULL_POLICIES:
             raise ValueError
+        if name == "memory_check" and raw not in MEMORY_CHECKS:
+            raise ValueError
         if name == "extra_pod_env":
             value = json.loads(raw)
             if not isinstance(value, dict):
@@ -213,5 +220,6 @@ def _parse(name: str, raw: str, default: object) -> object:
                    else "a positive number" if isinstance(default, float)
                    else "a JSON object of strings" if name == "extra_pod_env"
                    else f"one of {', '.join(repr(p) for p in PULL_POLICIES)}" if name == "image_pull_policy"
+                   else f"one of {', '.join(MEMORY_CHECKS)}" if name == "memory_check"
                    else "a string")
         raise KareusError(f"{key}: must be {allowed}, got {raw!r}") from None
