@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # too); on machines that ship it on disk pip takes that file.
 TORCH_PIN := requirements/torch.txt
 
-.PHONY: install kube kueue packages prometheus images test-deps test test-token-rotation run lint bench clean
+.PHONY: install kube kueue packages prometheus images test-deps test test-token-rotation golden run lint bench clean
 
 # uv installs from its cache (~/.cache/uv) by hard links: a fresh clone's .venv (torch included, 5.4 GB)
 # takes about 35 s once the cache holds the wheels, against about 2 min for pip. It compiles bytecode at
@@ -78,6 +78,11 @@ test: $(STAMP)
 test-token-rotation: $(STAMP)
 	$(MAKE) -j3 --output-sync=target test-deps
 	KAREUS_TOKEN_ROTATION=1 $(BIN)/python -m pytest -q -p no:cacheprovider -s tests/test_token_rotation.py
+
+# Regenerate the golden loss files (tests/data/golden) after a change meant to move the loss curves;
+# say why in the commit. `make golden CASES="tp1_pp1"` regenerates some of them.
+golden: $(STAMP)
+	$(BIN)/python tests/golden_losses.py $(CASES)
 
 run: $(STAMP)
 	$(BIN)/kareus run examples/quickstart.yaml --out out/quickstart

@@ -35,7 +35,7 @@ class Case:
     seq_len: int
     micro_batch_size: int
     num_microbatches: int = 1
-    checkpointing: str = "none"  # none | stage
+    checkpointing: str = "none"  # none | stage | layer
     engine: str = "sequential"  # sequential | partitioned
 
     def shape(self):
@@ -71,6 +71,9 @@ CASES = (
     Case("w512", {"num_layers": 2, "hidden_size": 512, "ffn_hidden_size": 1408, "num_heads": 8, "num_kv_heads": 2,
                   "head_dim": 64, "vocab_size": 4096}, 128, 4, 2, engine="partitioned"),
     Case("w256-ckpt-seq", _W256, 128, 8, checkpointing="stage"),
+    Case("w256-layer-2mb", _W256, 128, 8, 2, checkpointing="layer", engine="partitioned"),
+    Case("w256x16-layer-2mb", {**_W256, "num_layers": 16}, 128, 8, 2, checkpointing="layer", engine="partitioned"),
+    Case("w256-layer-seq", _W256, 128, 8, checkpointing="layer"),
 )
 
 
@@ -103,7 +106,7 @@ def _train(case: Case, steps: int) -> None:
     ctx = DistContext(Layout(1, 1, 1, 1), 0, torch.device("cpu"))
     schedule = Schedule.uniform(1, case.num_microbatches, mode=case.engine)
     executor = StageExecutor(model, ctx, GroupComm(None, 1), PlanFollower(schedule.stages[0]), case.seq_len,
-                             case.micro_batch_size, case.checkpointing == "stage")
+                             case.micro_batch_size, case.checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     tokens = case.micro_batch_size * case.seq_len * case.num_microbatches
     for step in range(steps):

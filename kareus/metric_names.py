@@ -20,6 +20,9 @@ ITERATION_SECONDS = "kareus_iteration_seconds"
 ITERATION_ENERGY_JOULES = "kareus_iteration_energy_joules"
 TOKENS_PER_JOULE = "kareus_tokens_per_joule"
 PLAN_INFO = "kareus_plan_info"
+# The optimizer step: global gradient norm before clipping, and the learning rate it used.
+GRAD_NORM = "kareus_grad_norm"
+LEARNING_RATE = "kareus_learning_rate"
 # Straggler-aware re-selection (data parallelism): the frontier row a rank's replica runs, the
 # slowest replica's slowdown over the next (fraction), re-selections by reason (straggler|recovered).
 PLAN_FRONTIER_ROW = "kareus_plan_frontier_row"

@@ -36,7 +36,9 @@ _SLOWEST_FIRST = ("test_power_budget_measured.py", "test_dashboards_live.py", "t
 # Likewise the longest CPU-bound modules (multi-rank torch on gloo, `kareus run`), first of theirs, so that
 # the run does not end on one of them while the other workers have nothing left.
 _SLOWEST_CPU_FIRST = ("test_runtime_checkpoint.py", "test_runtime_dist.py", "test_run_quickstart.py",
-                      "test_runtime_reload.py", "test_runtime_train.py", "test_runtime_p2p.py")
+                      "test_runtime_hf_parity.py", "test_hf_roundtrip.py", "test_runtime_recipe.py",
+                      "test_golden_losses.py", "test_memory_plan_measured.py", "test_runtime_reload.py",
+                      "test_runtime_train.py", "test_runtime_p2p.py")
 # Workers gw0 and gw1 may run cluster modules, each on a control plane and dev cluster of its own; any
 # further worker (`make test TEST_WORKERS=3`) runs CPU-bound modules only, from the start, on the CPU the
 # cluster modules leave idle while they wait on pods, and never starts a third cluster.

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed
 from kareus.runtime.schedule import Schedule
 from kareus.runtime.smoke import LOSS_TOLERANCE, cuda_smoke, explicit_configs
@@ -40,7 +41,7 @@ def test_explicit_configs_cover_every_configured_type_at_its_last_shared_slot():
 
 def test_explicit_configs_run_and_match_sequential_on_cpu():
     config = TrainConfig(shape=get_preset("tiny"), seq_len=32, micro_batch_size=2, num_microbatches=2, steps=2,
-                         optimizer="sgd", lr=0.1, device="cpu")
+                         recipe=OptimizerRecipe.constant("sgd", 0.1), device="cpu")
     ctx = init_distributed(config.layout, device="cpu")
     configs = explicit_configs(config.shape, 4)
     part, _ = run_rank(ctx, config, Schedule.uniform(1, 2, mode="partitioned", configs=configs))

@@ -120,7 +120,7 @@ def checkpoint_logits(step_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(hidden, model.param("final_norm"), shape.norm_eps), model.param("output"))
 
 
-def test_pretrained_weights_in_and_a_transformers_model_out(cluster, tmp_path, record_property):
+def test_pretrained_weights_in_and_a_transformers_model_out(cluster, tmp_path):
     dev_cluster, jobs, core = cluster
     job = yaml.safe_load(TINY.read_text())
     bind(core, MODELS, job["spec"]["training"]["image"])
@@ -161,7 +161,5 @@ def test_pretrained_weights_in_and_a_transformers_model_out(cluster, tmp_path, r
 
     tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
     exported, trained = hf_logits(export, tokens), checkpoint_logits(step_dir, tokens)
-    record_property("export_vs_checkpoint_max_abs", float((exported - trained).abs().max()))
-    record_property("export_vs_start_max_abs", float((exported - hf_logits(tmp_path / "hf", tokens)).abs().max()))
-    assert (exported - trained).abs().max() < 1e-5
-    assert (exported - hf_logits(tmp_path / "hf", tokens)).abs().max() > 1e-3  # it trained from there
+    assert (exported - trained).abs().max() < 1e-5  # 6.6e-7 measured
+    assert (exported - hf_logits(tmp_path / "hf", tokens)).abs().max() > 1e-3  # it trained from there (1.73)

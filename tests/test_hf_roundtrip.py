@@ -22,6 +22,7 @@ import yaml
 from kareus.cli import main as cli_main
 from kareus.errors import EXIT_CONFIG
 from kareus.runtime import hf_adapter, train
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.spec import parse_job
 
 transformers = pytest.importorskip("transformers")
@@ -113,7 +114,7 @@ def test_a_kareus_checkpoint_starts_any_layout_at_the_same_loss(world):
     losses = {}
     for tp, pp in ((1, 1), (2, 2)):
         job = parse_job(yaml.safe_load(_job(root / f"job{tp}{pp}.yaml", f"from-ckpt-{tp}{pp}", tp, pp).read_text()))
-        result = train(job, job_name=job.name, steps=1, init_from=str(checkpoints), data_path=str(data), lr=1e-3,
+        result = train(job, job_name=job.name, steps=1, init_from=str(checkpoints), data_path=str(data), recipe=OptimizerRecipe.constant("adamw", 1e-3),
                        device="cpu")
         losses[tp, pp] = result.losses[0]
     assert abs(losses[1, 1] - losses[2, 2]) <= 1e-5 * abs(losses[2, 2])
@@ -197,7 +198,7 @@ def test_a_qwen3_model_with_tied_embeddings_exports_as_qwen3(tmp_path):
     job = parse_job(yaml.safe_load(_job(tmp_path / "job.yaml", "qwen", 1, 1, model).read_text()))
     data = tmp_path / "tokens.npy"
     np.save(data, np.random.default_rng(0).integers(0, VOCAB, 2048).astype(np.int32))
-    train(job, job_name=job.name, steps=1, lr=0.0, init_from=str(hf), data_path=str(data), device="cpu",
+    train(job, job_name=job.name, steps=1, recipe=OptimizerRecipe.constant("adamw", 0.0), init_from=str(hf), data_path=str(data), device="cpu",
           checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1)
     assert cli_main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "out")]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())

@@ -22,9 +22,14 @@ from kareus.cli import main as cli_main
 from kareus.errors import EXIT_CONFIG, NON_RETRYABLE_EXIT_CODES, KareusError
 from kareus.runtime import stopping, train
 from kareus.runtime.checkpoint import MANIFEST, CheckpointSettings
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.spec import parse_job
 
 REL = 1e-5
+
+
+# A run extended to more steps continues with the same rates only without a decay over the run's steps.
+CONSTANT_LR = {"schedule": "constant", "lr": 3e-3, "warmupSteps": 0, "weightDecay": 0, "clipGradNorm": 0}
 
 
 def _manifest(name: str = "ckpt-test", *, tp: int = 1, steps: int = 6, seq: int = 16) -> dict:
@@ -33,7 +38,8 @@ def _manifest(name: str = "ckpt-test", *, tp: int = 1, steps: int = 6, seq: int 
                      "parallelism": {"tensor": tp, "pipeline": 1, "context": 1, "data": 1,
                                      "microBatchSize": 2, "numMicroBatches": 2},
                      "objective": {"maxThroughput": {}},
-                     "training": {"image": "x", "steps": steps, "gpusPerNode": tp, "nodes": 1}}}
+                     "training": {"image": "x", "steps": steps, "gpusPerNode": tp, "nodes": 1,
+                                  "optimizer": CONSTANT_LR}}}
 
 
 def _train(manifest: dict, **overrides):
@@ -121,7 +127,7 @@ def test_every_checkpoint_damaged_is_refused_naming_each(tmp_path):
 
 
 @pytest.mark.parametrize("change,difference", [
-    ({"optimizer": "sgd"}, "optimizer: checkpoint 'adamw', this run 'sgd'"),
+    ({"recipe": OptimizerRecipe.constant("sgd")}, "optimizer: checkpoint 'adamw', this run 'sgd'"),
     ({"seq": 32}, "model.sequence_length: checkpoint 16, this run 32"),
     ({"name": "another-job"}, "job: checkpoint 'ckpt-test', this run 'another-job'"),
     ({"seed": 3}, "data.seed: checkpoint 0, this run 3"),
@@ -130,7 +136,7 @@ def test_a_foreign_checkpoint_is_refused_naming_what_differs(tmp_path, change, d
     ckpt = str(tmp_path / "ckpt")
     _train(_manifest(), steps=2, checkpoint_dir=ckpt, checkpoint_every=2)
     manifest = _manifest(change.get("name", "ckpt-test"), seq=change.get("seq", 16))
-    overrides = {k: v for k, v in change.items() if k in ("optimizer", "seed")}
+    overrides = {k: v for k, v in change.items() if k in ("recipe", "seed")}
     with pytest.raises(KareusError, match="checkpoint step-00000002 is not this run's") as error:
         _train(manifest, steps=4, checkpoint_dir=ckpt, **overrides)
     assert difference in str(error.value) and error.value.exit_code == EXIT_CONFIG

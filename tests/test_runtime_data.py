@@ -158,7 +158,10 @@ def _job(tmp_path, name: str = "data-test") -> str:
                     "parallelism": {"tensor": 1, "pipeline": 1, "context": 1, "data": 1,
                                     "microBatchSize": 2, "numMicroBatches": 1},
                     "objective": {"maxThroughput": {}},
-                    "training": {"image": "x", "steps": 2, "gpusPerNode": 1, "nodes": 1}}}
+                    # constant rates: a run extended from 3 to 7 steps continues with the same ones
+                    "training": {"image": "x", "steps": 2, "gpusPerNode": 1, "nodes": 1,
+                                 "optimizer": {"schedule": "constant", "lr": 3e-3, "warmupSteps": 0,
+                                               "weightDecay": 0, "clipGradNorm": 0}}}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return str(path)

@@ -2,7 +2,7 @@
 
 Each layout is spawned once; inside it the ranks train the same model on the same data several
 times — sequential, then partitioned with every launch slot of every partition type (slot i of
-each type in run i), with and without activation checkpointing — and save their losses,
+each type in run i), with layer checkpointing (the default), stage checkpointing and none — and save their losses,
 parameters and clock logs. The test process then checks: partitioned == sequential, every run ==
 a single-process reference on the same global batch, and the clock log == the schedule's clocks
 instruction by instruction.
@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from kareus.daemon_client import RecordingClockClient
+from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.runtime import Schedule, TrainConfig, run_rank
 from kareus.runtime.model import shard
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed, spawn_local
 from kareus.runtime.schedule import RunInstruction
 from kareus.workload.models import get_preset
@@ -29,11 +31,12 @@ TINY = get_preset("tiny")
 STEPS = 5
 
 
-def _config(tp: int, pp: int, dp: int, m: int, ac: bool = True, cp: int = 1) -> TrainConfig:
+def _config(tp: int, pp: int, dp: int, m: int, ac: bool | str = True, cp: int = 1) -> TrainConfig:
     # lr 0.1: stable (the loss falls every step), so layouts differ by round-off only (3.8e-7 relative);
     # at 0.5, with the norms at one since the init fix, the loss spikes and amplifies it past 1e-5.
     return TrainConfig(shape=TINY, seq_len=16, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch_size=2, num_microbatches=m,
-                       steps=STEPS, seed=5, optimizer="sgd", lr=0.1, activation_checkpointing=ac, device="cpu")
+                       steps=STEPS, seed=5, recipe=OptimizerRecipe.constant("sgd", 0.1), activation_checkpointing=ac,
+                       device="cpu")
 
 
 def _types(tp: int, cp: int) -> dict:
@@ -53,10 +56,12 @@ def _clocked(schedule: Schedule) -> Schedule:
     return Schedule(stages, schedule.num_microbatches)
 
 
-def _runs(pp: int, m: int, tp: int, cp: int) -> dict[str, tuple[Schedule, bool]]:
+def _runs(pp: int, m: int, tp: int, cp: int) -> dict[str, tuple[Schedule, bool | str]]:
     runs = {"sequential": (_clocked(Schedule.uniform(pp, m, mode="sequential")), True)}
     for r in range(max((len(t.launch_slots) for t in _types(tp, cp).values()), default=1)):
         runs[f"slots{r}"] = (_clocked(Schedule.uniform(pp, m, configs=_slot_configs(r, tp, cp))), True)
+    runs["stage_ac"] = (_clocked(Schedule.uniform(pp, m, configs=_slot_configs(1, tp, cp))), "stage")
+    runs["sequential_stage_ac"] = (_clocked(Schedule.uniform(pp, m, mode="sequential")), "stage")
     runs["no_ac"] = (_clocked(Schedule.uniform(pp, m, configs=_slot_configs(1, tp, cp))), False)
     return runs
 
@@ -150,3 +155,11 @@ def _tied_worker(rank: int, store, config: TrainConfig, out: str) -> None:
 def test_schedule_instruction_types_are_checked():
     with pytest.raises(Exception, match="backward of microbatch 0 before its forward"):
         Schedule(((RunInstruction("backward", 0), RunInstruction("forward", 0)),), 1)
+
+
+def test_activation_checkpointing_modes_are_checked():
+    assert _config(1, 1, 1, 1, ac="stage").activation_checkpointing == "stage"
+    with pytest.raises(KareusError, match="activation_checkpointing: 'selective' is not allowed; allowed: true, "
+                                          "false, none, stage, layer") as err:
+        _config(1, 1, 1, 1, ac="selective")
+    assert err.value.exit_code == EXIT_CONFIG

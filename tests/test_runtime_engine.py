@@ -11,6 +11,7 @@ from kareus.runtime.comm import CommHandle, GroupComm
 from kareus.runtime.engine import PartitionedBlock, backward_segments, forward_segments, partitions_of
 from kareus.runtime.layer_ops import LayerProgram, rope_tables
 from kareus.runtime.model import StageLayout, StageModel, shard
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import Layout, init_distributed
 from kareus.runtime.schedule import RunInstruction
 from kareus.workload.models import ModelShape, get_preset
@@ -103,7 +104,7 @@ def test_collective_is_issued_right_before_the_launch_slot(key, slot):
 
 def _run(shape, schedule, *, ac=True, steps=3, mbs=2, m=2, seed=3):
     config = TrainConfig(shape=shape, seq_len=16, micro_batch_size=mbs, num_microbatches=m, steps=steps, seed=seed,
-                         optimizer="sgd", lr=0.5, activation_checkpointing=ac)
+                         recipe=OptimizerRecipe.constant("sgd", 0.5), activation_checkpointing=ac)
     ctx = init_distributed(config.layout, device="cpu")
     result, model = run_rank(ctx, config, schedule, keep_model=True)
     return result, {n: p.detach().clone() for n, p in model.named_model_params().items()}

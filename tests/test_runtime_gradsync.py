@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from kareus.runtime import Schedule, TrainConfig, gradsync, run_rank
 from kareus.runtime.gradsync import buckets
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed, spawn_local
 from kareus.workload.models import get_preset
 
@@ -30,7 +31,7 @@ def test_buckets_keep_order_respect_the_size_and_never_mix_dtypes():
 
 def _config(dp: int, m: int = 2) -> TrainConfig:
     return TrainConfig(shape=TINY, seq_len=16, dp=dp, micro_batch_size=2, num_microbatches=m, steps=3, seed=4,
-                       optimizer="sgd", lr=0.5, device="cpu")
+                       recipe=OptimizerRecipe.constant("sgd", 0.5), device="cpu")
 
 
 def _worker(rank: int, store, out: str) -> None:

@@ -29,6 +29,7 @@ from kareus.runtime.engine import PartitionedBlock, SequentialBlock
 from kareus.runtime.init_from import find_source, stage_params
 from kareus.runtime.layer_ops import rms_norm, sequence_consts
 from kareus.runtime.model import StageLayout, StageModel, shard
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed, spawn_local
 
 transformers = pytest.importorskip("transformers")
@@ -132,7 +133,7 @@ LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2cp2": (2, 1
 def _config(directory: Path, data: Path, tp: int, pp: int, cp: int) -> TrainConfig:
     source = find_source(directory)
     return TrainConfig(shape=source.shape, seq_len=SEQ, tp=tp, pp=pp, cp=cp, micro_batch_size=MBS,
-                       num_microbatches=M, steps=1, lr=0.0, optimizer="sgd", device="cpu",
+                       num_microbatches=M, steps=1, recipe=OptimizerRecipe.constant("sgd", 0.0), device="cpu",
                        init_from=str(directory), data_path=str(data))
 
 

@@ -19,6 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kareus.runtime import Schedule, TrainConfig, run_rank
 from kareus.runtime.layer_ops import rope_inv_freq
 from kareus.runtime.model import INIT_STD, NORM_PARAMS, RESIDUAL_OUTPUTS, StageLayout, StageModel
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed
 from kareus.workload.models import LLAMA31_ROPE, LLAMA32_ROPE, PRESETS, ModelShape, get_preset
 
@@ -105,7 +106,7 @@ def test_tiny_learns_the_builtin_corpus_once_its_norms_start_at_one():
     every 10 steps 5.58 3.46 2.52 2.15 1.84 1.52 1.01 0.75 0.58 0.42 0.40 0.39 0.34 0.32 0.34."""
     torch.set_num_threads(1)
     config = TrainConfig(shape=get_preset("tiny"), seq_len=64, micro_batch_size=8, num_microbatches=2, steps=150,
-                         seed=0, lr=3e-3, device="cpu")
+                         seed=0, recipe=OptimizerRecipe.constant("adamw", 3e-3), device="cpu")
     result, _ = run_rank(init_distributed(config.layout, device="cpu"), config, Schedule.uniform(1, 2))
     assert result.losses[0] == pytest.approx(math.log(256), abs=0.1)
     assert result.losses[-1] < 0.5, result.losses[::10]

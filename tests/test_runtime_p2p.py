@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from kareus.runtime import Schedule, TrainConfig, run_rank
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed, spawn_local
 from kareus.workload.models import get_preset
 
@@ -105,7 +106,7 @@ class RendezvousP2P:
 
 def _config(pp: int, m: int) -> TrainConfig:
     return TrainConfig(shape=TINY, seq_len=16, pp=pp, micro_batch_size=2, num_microbatches=m, steps=2, seed=3,
-                       optimizer="sgd", lr=0.5, device="cpu")
+                       recipe=OptimizerRecipe.constant("sgd", 0.5), device="cpu")
 
 
 def _worker(rank: int, store, pp: int, m: int, out: str) -> None:

@@ -30,6 +30,7 @@ from kareus.runtime import PlanFollower, RunInstruction, Schedule, TrainConfig, 
 from kareus.runtime.data import Batcher, builtin_corpus, load_tokens
 from kareus.runtime.energy import SimulatedEnergy, pipeline_time_s
 from kareus.runtime.metrics import MetricsExporter, StepRecord
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed
 from kareus.sim import get_gpu
 from kareus.spec import parse_job
@@ -80,7 +81,7 @@ def _plan(manifest: dict, clocks: tuple[int, int] = (1410, 1005)) -> Plan:
 
 def test_loss_decreases_over_50_steps_on_the_builtin_corpus():
     config = TrainConfig(shape=TINY, seq_len=64, micro_batch_size=4, num_microbatches=1, steps=50, seed=1,
-                         device="cpu")
+                         device="cpu", recipe=OptimizerRecipe.constant("adamw", 3e-3))
     result, _ = run_rank(init_distributed(config.layout, device="cpu"), config, Schedule.uniform(1, 1))
     # Norms start at one since the init fix: the first steps already learn (5.54, 5.20, 4.95, 4.71, 4.48).
     assert result.losses[0] == pytest.approx(math.log(256), abs=0.1)  # uniform over the bytes at initialisation

@@ -67,12 +67,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(env KAREUS_METRICS_PORT; default: no endpoint)")
     parser.add_argument("--metrics-addr", default=os.environ.get("KAREUS_METRICS_ADDR", "0.0.0.0"),
                         help="address the metrics endpoint binds (env KAREUS_METRICS_ADDR; default 0.0.0.0)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    recipe = parser.add_argument_group("training recipe", "each flag overrides spec.training.optimizer's field "
+                                       "(defaults: Llama pre-training's, docs/runtime.md 'Training recipe')")
+    recipe.add_argument("--optimizer", choices=("adamw", "sgd"), help="default adamw")
+    recipe.add_argument("--lr", type=float, help="peak learning rate (default by model size: 1e-2 under 10M "
+                        "parameters, 3e-4 up to 20B, 1.5e-4 up to 150B, else 8e-5)")
+    recipe.add_argument("--min-lr", type=float, help="the rate the schedule decays to (default lr / 10)")
+    recipe.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2000, at most a tenth of "
+                        "the decay steps)")
+    recipe.add_argument("--lr-schedule", choices=("constant", "linear", "cosine", "wsd"),
+                        help="after warmup (default cosine)")
+    recipe.add_argument("--decay-steps", type=int, help="step at which the rate reaches --min-lr, counted from "
+                        "step 0 (default: the job's steps)")
+    recipe.add_argument("--wsd-decay-fraction", type=float, help="share of the post-warmup steps wsd decays over "
+                        "(default 0.2)")
+    recipe.add_argument("--weight-decay", type=float, help="decoupled weight decay on weight matrices (default 0.1)")
+    recipe.add_argument("--no-embedding-decay", dest="decay_embeddings", action="store_const", const=False,
+                        help="no weight decay on the embedding table")
+    recipe.add_argument("--beta1", type=float, help="AdamW beta1 (default 0.9)")
+    recipe.add_argument("--beta2", type=float, help="AdamW beta2 (default 0.95)")
+    recipe.add_argument("--eps", type=float, help="AdamW epsilon (default 1e-8)")
+    recipe.add_argument("--clip-grad-norm", type=float, help="clip the global gradient norm to this; 0: off "
+                        "(default 1.0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA with NCCL when a GPU is visible, else CPU with gloo")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="parameter and activation type (default float32)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="compute type; bfloat16 keeps fp32 master weights, gradients and optimizer state "
+                             "(default: spec.training.precision, else float32)")
+    parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                        help="TF32 for fp32 matmuls on GPU (default: spec.training.tf32, else on)")
     parser.add_argument("--comm-standin", action="store_true",
                         help="one GPU, tensor 1: run an exact no-op kernel on the comm stream where an "
                              "all-reduce would be, to exercise the overlap machinery")
@@ -111,17 +134,17 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"seed": args.seed, "data_path": args.data, "data_format": args.data_format,
                  "data_dtype": args.data_dtype, "checkpoint_dir": args.checkpoint_dir,
                  "checkpoint_every": args.checkpoint_every, "checkpoint_keep": args.checkpoint_keep,
-                 "init_from": args.init_from, "out_dir": args.out, "lr": args.lr,
-                 "optimizer": args.optimizer,
+                 "init_from": args.init_from, "out_dir": args.out, "recipe": _recipe(job, args),
                  # the endpoint: a socket path or tcp://HOST:PORT (kareus.daemon_client connects to either)
                  "daemon_socket": daemon_endpoint(args.daemon_socket, args.daemon_address),
                  "metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr, "device": args.device,
-                 "dtype": args.dtype, "comm_standin": args.comm_standin,
+                 "comm_standin": args.comm_standin,
                  "job_name": job.name, "plan_path": args.plan, "plan_digest": digest, "sim_params": args.sim_params}
     if args.export_dir:
         overrides["export_dir"] = args.export_dir
-    if args.steps is not None:
-        overrides["steps"] = args.steps
+    for name in ("steps", "dtype", "tf32"):  # else the job spec's
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
     if plan is not None:
         overrides["plan_labels"] = {"method": plan.method, "objective": ",".join(sorted(plan.objective))}
     from kareus.runtime import stopping
@@ -150,13 +173,40 @@ def _check_args(args: argparse.Namespace) -> None:
             raise KareusError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     if args.metrics_port is not None and args.metrics_port > 65535:
         raise KareusError(f"--metrics-port must be <= 65535, got {args.metrics_port}")
-    if not args.lr >= 0:  # 0: a frozen run (a weights round trip, an evaluation of the loss)
-        raise KareusError(f"--lr must be >= 0, got {args.lr}")
+    for name, low, high, low_open, high_open in RECIPE_FLAG_BOUNDS:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if not ((value > low if low_open else value >= low) and (value < high if high_open else value <= high)):
+            interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            raise KareusError(f"--{name.replace('_', '-')} must be in {interval}, got {value}")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise KareusError("--checkpoint-every needs --checkpoint-dir")
     if args.export_dir and not args.checkpoint_dir:
         raise KareusError("--export-dir needs --checkpoint-dir: the export is written from the final step's checkpoint",
                           exit_code=EXIT_CONFIG)
+
+
+# (flag, low, high, low open, high open): the spec's bounds of the same fields, except that the command
+# line takes --lr 0: a frozen run (a weights round trip, the loss of a model as it is).
+RECIPE_FLAG_BOUNDS = (
+    ("lr", 0, 10, False, False), ("min_lr", 0, 10, False, False), ("warmup_steps", 0, 10**9, False, False),
+    ("decay_steps", 1, 10**9, False, False), ("wsd_decay_fraction", 0, 1, True, False),
+    ("weight_decay", 0, 1, False, False), ("beta1", 0, 1, False, True), ("beta2", 0, 1, False, True),
+    ("eps", 0, 1, True, False), ("clip_grad_norm", 0, 1e6, False, False),
+)
+
+
+def _recipe(job, args: argparse.Namespace):
+    """spec.training.optimizer with the flags given on the command line on top."""
+    from kareus.runtime.optimizer_recipe import OptimizerRecipe
+
+    recipe = OptimizerRecipe.from_spec(job.spec.training.optimizer)
+    return recipe.with_overrides(name=args.optimizer, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps,
+                                 schedule_kind=args.lr_schedule, decay_steps=args.decay_steps,
+                                 wsd_decay_fraction=args.wsd_decay_fraction, weight_decay=args.weight_decay,
+                                 decay_embeddings=args.decay_embeddings, beta1=args.beta1, beta2=args.beta2,
+                                 eps=args.eps, clip_grad_norm=args.clip_grad_norm)
 
 
 def _print_summary(result, as_json: bool) -> None:

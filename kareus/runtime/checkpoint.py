@@ -3,7 +3,9 @@
 A checkpoint is one directory `DIR/step-NNNNNNNN` (N = steps completed) written with
 `torch.distributed.checkpoint`: every rank writes its own part (its stage's, its TP shard's
 parameters and optimizer state, its RNG state; a part several data-parallel replicas hold alike is
-written once). Beside it, `kareus-checkpoint.json` (the manifest) names what the state belongs to: the
+written once). The parameters are the ones the optimizer steps: in bf16 the fp32 master weights
+(`kareus.runtime.precision`), so a resumed bf16 run continues from the exact weights. The
+learning-rate schedule needs no state of its own: it is a function of the step. Beside it, `kareus-checkpoint.json` (the manifest) names what the state belongs to: the
 job, the trained model's shape and sequence length, the layout, the optimizer and dtype, the data, the
 plan revision it ran under, and every file with its size and SHA-256.
 
@@ -101,7 +103,7 @@ class Resumed:
 class TrainState:
     """A rank's live training state: what a checkpoint saves and restores in place."""
 
-    params: dict[str, torch.nn.Parameter]  # by model name (`layers.3.fc1`)
+    params: dict[str, torch.nn.Parameter]  # what the optimizer steps (fp32 masters in bf16), by model name
     optimizer: torch.optim.Optimizer
     tp_rank: int
     tp: int

@@ -21,9 +21,14 @@ schedule — not autograd — decides the order, which is what lets a backward c
 other nanobatch's compute. Gradients flow through named channels exactly as activations do.
 With CP, attention is recomputed in backward from the re-gathered K/V.
 
-With activation checkpointing a forward instruction keeps only each nanobatch's stage input; the
-backward instruction re-runs the forward partitions (with the plan's *recompute* configs) and then
-the backward partitions.
+With activation checkpointing a forward instruction keeps only inputs: `stage` checkpointing the
+stage input, and the backward instruction re-runs the forward partitions of the whole stage (with the
+plan's *recompute* configs) and then its backward partitions; `layer` checkpointing (the default)
+each layer's input, and the backward re-runs and differentiates one layer at a time, in reverse, with
+a `PartitionedBlock` per layer (`layers=`) so only one layer's op records are alive at once. A
+one-layer block has the same partition types and launch slots as the stage's (the BDA that leads
+`fwd_attn` and the norm + fork that lead `bwd_mlp` across a layer boundary merge into `norm_0` there,
+and run in their layer's `fwd_trail` / `bwd_trail` here), so the instruction's configs apply to it.
 
 `SequentialBlock` is the Megatron-style reference: the whole microbatch, the same op functions,
 blocking collectives, ordinary autograd.
@@ -49,6 +54,7 @@ from kareus.runtime.comm import (
 )
 from kareus.runtime.layer_ops import LayerOp, LayerProgram, route_backward
 from kareus.runtime.model import StageModel
+from kareus.runtime.precision import accumulate_grad
 from kareus.workload.partitions import MERGING_GROUPS, PartitionConfig
 
 NUM_NANOBATCHES = 2
@@ -207,9 +213,10 @@ class PartitionedBlock(StageBlock):
     """Runs a stage's layers as partitions; see the module docstring."""
 
     def __init__(self, model: StageModel, tp: GroupComm, consts: Mapping[str, Tensor],
-                 cp: GroupComm | None = None) -> None:
+                 cp: GroupComm | None = None, layers: range | None = None) -> None:
+        """`layers`: the stage-global layers this block runs (default: all of the stage's)."""
         super().__init__(model, tp, consts, cp)
-        layers = model.layout.layers
+        layers = model.layout.layers if layers is None else layers
         self.fwd_segments = forward_segments(self.program, layers, self.cp.size)
         self.bwd_segments = backward_segments(self.program, layers, self.cp.size)
         self.fwd_partitions = partitions_of(self.fwd_segments)
@@ -298,10 +305,7 @@ class PartitionedBlock(StageBlock):
         grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
         for param, grad in zip(params, grads[len(rec.inputs):], strict=True):
             if grad is not None:
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad += grad
+                accumulate_grad(param, grad)  # into the fp32 main_grad in bf16 (kareus.runtime.precision)
         return grads[:len(rec.inputs)]
 
     # the partition loop ------------------------------------------------------------------------
@@ -355,9 +359,10 @@ class PartitionedBlock(StageBlock):
 class SequentialBlock(StageBlock):
     """Megatron-style execution of the whole microbatch with standard autograd (the reference)."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, layers: range | None = None) -> Tensor:
+        """`layers`: the stage-global layers to run (default: all of the stage's)."""
         acts = {"main": x}
-        for layer in self.model.layout.layers:
+        for layer in self.model.layout.layers if layers is None else layers:
             for op in self.program.forward_ops():
                 inputs = [acts[c] for c in op.inputs]
                 if op.name in ("qkv", "fc1"):

@@ -2,7 +2,7 @@
 
 `StepRecord` is one iteration as rank 0 writes it to `DIR/train.jsonl` (one JSON object per line:
 step, loss, iteration_time_s, energy_j, tokens, tokens_per_joule, clock summary, plan revision,
-clock-control state, …; the first record also the data source).
+clock-control state, gradient norm and learning rate, …; the first record also the data source).
 `MetricsExporter` is the rank-local Prometheus endpoint with the worker metrics of
 `kareus.metric_names`, served from its own registry (no global state), labelled with the rank and
 stage. Port 0 picks a free port (`exporter.port` says which); no port, no endpoint.
@@ -53,6 +53,10 @@ class StepRecord:
     straggler_slowdown: float | None = None
     # The run's first record names its token stream: the --data path as given, or "builtin-corpus".
     data_source: str | None = None
+    # The optimizer step: the global gradient norm before clipping (every TP shard and pipeline
+    # stage counted once, kareus.runtime.grad_norm) and the learning rate the step used.
+    grad_norm: float | None = None
+    lr: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -100,6 +104,9 @@ class MetricsExporter:
         self._slowdown = gauge(metric_names.REPLICA_SLOWDOWN_RATIO,
                                "How much slower the slowest data-parallel replica was than the next (fraction).",
                                ).labels(**labels)
+        self._grad_norm = gauge(metric_names.GRAD_NORM, "Global gradient norm of the last step, before clipping."
+                                ).labels(**labels)
+        self._lr = gauge(metric_names.LEARNING_RATE, "Learning rate of the last optimizer step.").labels(**labels)
         self._reselections = Counter(metric_names.STRAGGLER_RESELECTIONS_TOTAL,
                                      "Straggler re-selections (reason=straggler) and returns (reason=recovered).",
                                      [*names, "reason"], registry=self.registry)
@@ -123,6 +130,10 @@ class MetricsExporter:
         self._energy_gpu.set(gpu_energy_j)
         self._energy_job.set(record.energy_j)
         self._tpj.set(record.tokens_per_joule)
+        if record.grad_norm is not None:
+            self._grad_norm.set(record.grad_norm)
+        if record.lr is not None:
+            self._lr.set(record.lr)
         if record.plan_frontier_row is not None:
             self._row.set(record.plan_frontier_row)
         if record.straggler_slowdown is not None:

@@ -10,9 +10,16 @@ receive from the same peer (one batched group, as Megatron-Core's `send_forward_
 so the 1F1B steady state cannot deadlock on NCCL; sends are awaited at the end of the iteration.
 The loss stays on the device until the iteration ends (one host sync per step, not per microbatch).
 
-Activation checkpointing: a forward keeps only its input; the backward recomputes (partitioned:
-with the instruction's recompute configs). Without it, the forward keeps op records (partitioned)
-or the autograd graph (sequential), and the backward uses the forward's mode.
+Activation checkpointing (`CHECKPOINTING`): `layer` (what `activation_checkpointing=True` means)
+keeps each layer's input, one [mbs, seq, hidden] tensor per layer, and the backward walks the layers
+in reverse: recompute one layer from its input (partitioned: with the instruction's recompute
+configs), differentiate it, drop it, go on — Megatron's and torchtitan's per-layer (full)
+recompute: the backward's peak is the layer inputs plus one layer's activations. `stage` keeps only
+the stage input and recomputes the whole stage before its backward (at PP1 that saves nothing: the
+whole stage's activations are alive again). Both recompute one forward of every layer (the same
+FLOPs, which is what the simulator's op graph prices as `recompute_instances`). `none`: the forward
+keeps op records (partitioned) or the autograd graph (sequential), and the backward uses the
+forward's mode.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kareus.errors import EXIT_CONFIG, KareusError
 from kareus.runtime.comm import GroupComm
 from kareus.runtime.engine import BlockContext, PartitionedBlock, SequentialBlock
 from kareus.runtime.follower import PlanFollower
@@ -33,6 +41,17 @@ from kareus.runtime.schedule import RunInstruction
 
 ACTIVATION_TAG = 1
 GRADIENT_TAG = 2
+CHECKPOINTING = ("none", "stage", "layer")
+
+
+def checkpointing_mode(value: bool | str) -> str:
+    """`True`/`False` are `layer`/`none`; else one of `CHECKPOINTING`."""
+    if isinstance(value, bool):
+        return "layer" if value else "none"
+    if value not in CHECKPOINTING:
+        raise KareusError(f"activation_checkpointing: {value!r} is not allowed; allowed: true, false, "
+                          f"{', '.join(CHECKPOINTING)}", exit_code=EXIT_CONFIG)
+    return value
 
 
 @dataclass
@@ -56,7 +75,7 @@ class StageExecutor:
     follower: PlanFollower
     seq_len: int
     micro_batch_size: int
-    activation_checkpointing: bool = True
+    activation_checkpointing: bool | str = True  # see `checkpointing_mode`
     cp: GroupComm | None = None
 
     def __post_init__(self) -> None:
@@ -66,7 +85,10 @@ class StageExecutor:
         cp = self.cp.size if self.cp else 1
         consts = sequence_consts(self.seq_len, cp, self.dist_ctx.cp_rank, shape.head_dim, shape.rope_theta, device,
                                  dtype, shape.rope_scaling)
+        self.checkpointing = checkpointing_mode(self.activation_checkpointing)
         self.partitioned = PartitionedBlock(self.model, self.tp, consts, self.cp)
+        self.layer_blocks = {layer: PartitionedBlock(self.model, self.tp, consts, self.cp, range(layer, layer + 1))
+                             for layer in self.model.layout.layers} if self.checkpointing == "layer" else {}
         self.sequential = SequentialBlock(self.model, self.tp, consts, self.cp)
         activation_shape = (self.micro_batch_size, self.seq_len // cp, shape.hidden_size)
         self.link = StageLink(activation_shape, dtype, device)
@@ -117,7 +139,9 @@ class StageExecutor:
             self.link.send(y, self.dist_ctx.neighbour(1), ACTIVATION_TAG)
 
     def _block_forward(self, ins: RunInstruction, x: Tensor, mb: _Microbatch) -> Tensor:
-        keep = not self.activation_checkpointing
+        if self.checkpointing == "layer":
+            return self._layers_forward(ins, x, mb)
+        keep = self.checkpointing == "none"
         if ins.mode == "partitioned":
             y, states = self.partitioned.forward(x, ins.configs, record=keep)
             mb.block = BlockContext("partitioned", (x,), tuple(states) if keep else ())
@@ -152,8 +176,41 @@ class StageExecutor:
         mb.block = mb.embedded = mb.head_input = mb.loss = None
         return loss_value
 
+    def _layers_forward(self, ins: RunInstruction, x: Tensor, mb: _Microbatch) -> Tensor:
+        """Layer checkpointing: run layer by layer without records or graph, keep each layer's input."""
+        inputs = []
+        for layer in self.model.layout.layers:
+            inputs.append(x)
+            if ins.mode == "partitioned":
+                x, _ = self.layer_blocks[layer].forward(x, ins.configs, record=False)
+            else:
+                with torch.no_grad():
+                    x = self.sequential.forward(x, range(layer, layer + 1))
+        mb.block = BlockContext(ins.mode, tuple(inputs))
+        return x
+
+    def _layers_backward(self, ins: RunInstruction, block: BlockContext, grad_y: Tensor) -> Tensor:
+        """Recompute and differentiate one layer at a time, last first; each input is dropped once used."""
+        inputs = list(block.inputs)
+        block.inputs = ()
+        grad = grad_y
+        for layer in reversed(self.model.layout.layers):
+            x = inputs.pop()
+            if ins.mode == "partitioned":
+                _, states = self.layer_blocks[layer].forward(x, ins.recompute_configs, record=True)
+                grad = self.layer_blocks[layer].backward(states, grad, ins.configs)
+            else:
+                leaf = x.detach().requires_grad_()
+                with torch.enable_grad():
+                    out = self.sequential.forward(leaf, range(layer, layer + 1))
+                torch.autograd.backward(out, grad)
+                grad = leaf.grad
+        return grad
+
     def _block_backward(self, ins: RunInstruction, block: BlockContext, grad_y: Tensor) -> Tensor:
-        if self.activation_checkpointing:
+        if self.checkpointing == "layer":
+            return self._layers_backward(ins, block, grad_y)
+        if self.checkpointing == "stage":
             x = block.inputs[0]
             if ins.mode == "partitioned":
                 _, states = self.partitioned.forward(x, ins.recompute_configs, record=True)

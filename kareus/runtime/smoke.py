@@ -19,6 +19,7 @@ import torch
 from kareus.errors import KareusError
 from kareus.runtime.engine import backward_segments, forward_segments
 from kareus.runtime.layer_ops import LayerProgram
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import init_distributed
 from kareus.runtime.schedule import Schedule
 from kareus.runtime.trainer import TrainConfig, run_rank
@@ -51,8 +52,8 @@ def cuda_smoke(*, steps: int = 6, preset: str = "tiny", seq_len: int = 256, micr
     if not torch.cuda.is_available():
         raise KareusError("cuda_smoke needs a CUDA GPU; none is visible")
     config = TrainConfig(shape=get_preset(preset), seq_len=seq_len, micro_batch_size=micro_batch_size,
-                         num_microbatches=num_microbatches, steps=steps, optimizer="sgd", lr=0.1,
-                         device="cuda", comm_standin=True, dtype=dtype)
+                         num_microbatches=num_microbatches, steps=steps,
+                         recipe=OptimizerRecipe.constant("sgd", 0.1), device="cuda", comm_standin=True, dtype=dtype)
     ctx = init_distributed(config.layout, device="cuda")
     runs = {}
     for mode in ("sequential", "partitioned"):

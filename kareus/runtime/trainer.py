@@ -3,7 +3,8 @@
 `TrainConfig` is everything a run needs besides the schedule (model shape, layout, batch, steps,
 optimizer, data, outputs). `run_rank(ctx, config, schedule)` is one process's loop: build its
 stage's parameters, follow its stage of the schedule every iteration, synchronise gradients over
-data parallelism (and tied embeddings across the pipeline ends), step the optimizer, account
+data parallelism (and tied embeddings across the pipeline ends), clip them by the global norm and
+step the optimizer at the schedule's rate (`OptimizerRecipe`; in bf16 on fp32 masters), account
 energy, write `train.jsonl` (rank 0) and serve metrics. `train(job, plan, ...)` runs a job from its
 `KareusJob` spec and an optional plan: in-process under `torchrun` (or for one process), or by
 spawning the job's processes on this machine (CPU, gloo).
@@ -55,12 +56,15 @@ from kareus.runtime.comm import GroupComm, comm_stream, nccl_groups_by_sms
 from kareus.runtime.data import Batcher, TokenData, builtin_corpus_allowed, load_data
 from kareus.runtime.energy import MeasuredEnergy, SimulatedEnergy, TwinEnergy
 from kareus.runtime.follower import ClockRequest, PlanFollower
+from kareus.runtime.grad_norm import clip_, counted_here, global_grad_norm
 from kareus.runtime.gradsync import all_reduce_bucketed
 from kareus.runtime.init_from import InitSource, check_source, stage_params
 from kareus.runtime.metrics import JsonlWriter, MetricsExporter, StepRecord
 from kareus.runtime.model import StageLayout, StageModel
+from kareus.runtime.optimizer_recipe import OptimizerRecipe
 from kareus.runtime.parallel import DistContext, Layout, NodeGroup, init_distributed, shutdown, spawn_local
-from kareus.runtime.pipeline import StageExecutor
+from kareus.runtime.pipeline import StageExecutor, checkpointing_mode
+from kareus.runtime.precision import MasterParams
 from kareus.runtime.reload import PlanRollout, broadcast_bytes
 from kareus.runtime.schedule import Schedule
 from kareus.runtime.straggler import SIM_STRAGGLER_ENV, BusyTimer, SimStraggler, StragglerRuntime
@@ -69,8 +73,8 @@ from kareus.workload.models import ModelShape
 from kareus.workload.partitions import build_workload, split_layers
 
 log = logging.getLogger("kareus.runtime")
-OPTIMIZERS = ("adamw", "sgd")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # spec.training.precision -> TrainConfig.dtype
 
 
 @dataclass(frozen=True)
@@ -99,11 +103,13 @@ class TrainConfig:
     cp: int = 1
     micro_batch_size: int = 2
     num_microbatches: int = 1
-    activation_checkpointing: bool = True
+    # True/False are "layer"/"none"; "stage" (the whole stage recomputed) stays selectable for comparison.
+    activation_checkpointing: bool | str = True
     steps: int = 10
     seed: int = 0
-    lr: float = 3e-3
-    optimizer: str = "adamw"
+    # Optimizer, schedule, weight decay, clipping (`spec.training.optimizer`); its open values
+    # (peak lr, warmup, decay steps) are resolved for this run's model and steps.
+    recipe: OptimizerRecipe = field(default_factory=OptimizerRecipe)
     gpu_product: str = "A100-SXM4-40GB"
     stage_layers: tuple[int, ...] | None = None
     data_path: str | None = None
@@ -122,7 +128,8 @@ class TrainConfig:
     job_name: str = ""
     plan_labels: dict[str, str] = field(default_factory=dict)
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "float32"  # bfloat16: bf16 compute, fp32 master weights, gradients and optimizer state
+    tf32: bool = True  # TF32 tensor cores for fp32 matmuls and convolutions on CUDA
     comm_standin: bool = False
     plan_path: str | None = None  # watched for a new plan at every step boundary
     plan_digest: str | None = None  # SHA-256 of the plan file's bytes the run started with
@@ -142,8 +149,8 @@ class TrainConfig:
     init_from: str | None = None
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise KareusError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if not isinstance(self.recipe, OptimizerRecipe):
+            raise KareusError(f"recipe must be an OptimizerRecipe, got {type(self.recipe).__name__}")
         if self.dtype not in DTYPES:
             raise KareusError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         for name in ("seq_len", "tp", "pp", "dp", "cp", "micro_batch_size", "num_microbatches"):
@@ -158,6 +165,7 @@ class TrainConfig:
                               "checkpoint", exit_code=EXIT_CONFIG)
         if self.clock_lead_s < 0:
             raise KareusError(f"clock_lead_s must be >= 0, got {self.clock_lead_s}")
+        checkpointing_mode(self.activation_checkpointing)
         self.straggler_policy  # noqa: B018 — validates the straggler settings
         self.checkpoint_settings  # noqa: B018 — validates the checkpoint settings
         SimStraggler.parse(self.sim_straggler)
@@ -198,8 +206,18 @@ class TrainConfig:
         base = cls(shape=spec.model_shape(), seq_len=spec.sequence_length, tp=par.tensor, pp=par.pipeline,
                    dp=par.data, cp=par.context, micro_batch_size=par.micro_batch_size, num_microbatches=par.num_micro_batches,
                    activation_checkpointing=par.activation_checkpointing, steps=spec.training.steps,
-                   gpu_product=spec.gpu_product, cpu_proxy=_cpu_proxy(spec))
+                   gpu_product=spec.gpu_product, cpu_proxy=_cpu_proxy(spec), **_recipe_fields(spec.training))
         return replace(base, **overrides)
+
+
+def _recipe_fields(training) -> dict:
+    """The optimizer recipe, precision and TF32 switch of `spec.training`."""
+    out: dict = {"recipe": OptimizerRecipe.from_spec(training.optimizer)}
+    if training.precision is not None:
+        out["dtype"] = PRECISIONS[training.precision]
+    if training.tf32 is not None:
+        out["tf32"] = training.tf32
+    return out
 
 
 def _cpu_proxy(spec) -> tuple[ModelShape, int] | None:
@@ -228,6 +246,8 @@ class TrainResult:
     stopped_early: bool = False  # a SIGTERM stopped every rank after the last step here
     first_step: int = 0  # the step this run started at: the resumed checkpoint's, else 0
     checkpoint_step: int | None = None  # steps completed in the last checkpoint this run saved
+    grad_norms: tuple[float, ...] = ()  # per step: the global gradient norm before clipping
+    lrs: tuple[float, ...] = ()  # per step: the learning rate of its optimizer step
     exported: str | None = None  # the Hugging Face export of the final step (export_dir), once it is there
 
 
@@ -243,6 +263,9 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     _check(config, schedule)
     torch.manual_seed(config.seed)
     cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = config.tf32
+        torch.backends.cudnn.allow_tf32 = config.tf32
     trained = config.trained_model(cuda)
     # Before any weight is built: a real model's refusal should not wait for its parameters.
     if config.data_path is None and not builtin_corpus_allowed(trained.shape.vocab_size, trained.proxy):
@@ -289,12 +312,19 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     decisions: list[Decision] = []
     rollout = _rollout(ctx, config, executor) if config.plan_path else None
     running.digest = config.plan_digest or (rollout.digest if rollout else None)
-    optimizer = _optimizer(config, model)
-    state = TrainState(model.named_model_params(), optimizer, ctx.tp_rank, config.tp, ctx.rank)
+    masters = MasterParams(model.named_model_params())
+    lr_at = config.recipe.schedule(config.steps, trained.shape)
+    optimizer = config.recipe.build(masters.masters, lr_at(0))
+    norm_counted = {name: counted_here(name, p, trained.shape, tp_rank=ctx.tp_rank, pp_rank=ctx.pp_rank,
+                                       dp_rank=ctx.dp_rank, cp_rank=ctx.cp_rank)
+                    for name, p in masters.masters.items()}
+    # Checkpoints hold the fp32 masters (in bf16 too), so a resumed run steps exactly the same weights.
+    state = TrainState(masters.masters, optimizer, ctx.tp_rank, config.tp, ctx.rank)
     checkpointer = _checkpointer(ctx, config, trained, data)
     resumed = checkpointer.resume(state, config.steps) if checkpointer else None
     first_step = resumed.step if resumed else 0
     if resumed:
+        masters.to_model()
         running.resumed(ctx, resumed)
     outputs = _Outputs(ctx, config, schedule)
     records: list[StepRecord] = []
@@ -321,13 +351,20 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             simulated = running.simulated(straggle.slowed(step), _power_limit_in_force(twin, running.plan))
             start = time.perf_counter()
             timer.start()
-            optimizer.zero_grad(set_to_none=True)
+            masters.zero_grad()
             batches = [_my_chunk(x, y, ctx.cp_rank, config.cp)
                        for x, y in batcher.microbatches(step, ctx.dp_rank, ctx.device)]
             local_loss = executor.run(batches, 1.0 / batcher.tokens_per_step, step)
             timer.stop()
-            _sync_gradients(ctx, model)
+            grads = masters.grads()
+            _sync_gradients(ctx, model, grads)
+            grad_norm = global_grad_norm(grads, norm_counted, distributed=ctx.distributed)
+            clip_(grads, grad_norm, config.recipe.clip_grad_norm)
+            lr = lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             optimizer.step()
+            masters.to_model()
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
@@ -344,7 +381,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
             record = StepRecord(step, loss, elapsed, job_j, tokens_per_step,
                                 tokens_per_step / job_j if job_j > 0 else 0.0,
                                 modelled_s, source, outputs.clock_summary, *running.record_fields(), *control,
-                                **running.straggler_fields(straggle, rows_ran, replica_s),
+                                **running.straggler_fields(straggle, rows_ran, replica_s), grad_norm=grad_norm, lr=lr,
                                 data_source=data.source if not records else None)
             outputs.write(record, gpu_j)
             records.append(record)
@@ -383,7 +420,8 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                          records[-1].modelled_time_s if records else None, tuple(follower.log), config.out_dir,
                          outputs.metrics_port, tuple(r.plan_revision for r in records),
                          tuple(r.clock_control for r in records), tuple(running.rows_run),
-                         tuple(decisions), trained.proxy, stopped_early, first_step, saved_step, exported)
+                         tuple(decisions), trained.proxy, stopped_early, first_step, saved_step,
+                         tuple(r.grad_norm for r in records), tuple(r.lr for r in records), exported)
     return result, (model if keep_model else None)
 
 
@@ -412,7 +450,7 @@ def _checkpointer(ctx: DistContext, config: TrainConfig, trained: TrainedModel, 
              "layers_per_stage": list(trained.layers_per_stage)}
     layout = {"tensor": config.tp, "pipeline": config.pp, "data": config.dp, "context": config.cp,
               "micro_batch_size": config.micro_batch_size, "num_micro_batches": config.num_microbatches}
-    identity = Identity(config.job_name, model, layout, config.optimizer, config.dtype,
+    identity = Identity(config.job_name, model, layout, config.recipe.name, config.dtype,
                         {**data.identity, "seed": config.seed})
     provenance = {"init_from": str(Path(config.init_from).resolve())} if config.init_from else {}
     return Checkpointer(settings, identity, rank=ctx.rank, world=config.layout.world_size, provenance=provenance)
@@ -661,7 +699,8 @@ def _simulated_energy(config: TrainConfig, schedule: Schedule, clock_ceiling_mhz
                       power_limit_w: float | None = None) -> SimulatedEnergy:
     mbs = config.micro_batch_size + config.micro_batch_size % 2  # the workload counts nanobatch pairs
     workload = build_workload(config.shape, tp=config.tp, cp=config.cp, pp=config.pp, seq_len=config.seq_len,
-                              micro_batch_size=mbs, activation_checkpointing=config.activation_checkpointing,
+                              micro_batch_size=mbs,
+                              activation_checkpointing=checkpointing_mode(config.activation_checkpointing) != "none",
                               stage_layers=config.layers_per_stage)
     return SimulatedEnergy(workload, config.gpu_product, schedule, config.tp * config.cp * config.dp,
                            clock_ceiling_mhz=clock_ceiling_mhz, calibration=_calibration(config.sim_params),
@@ -677,27 +716,16 @@ def _calibration(path: str | None):
     return paramsfile.load_or_default(path)
 
 
-def _optimizer(config: TrainConfig, model: StageModel) -> torch.optim.Optimizer:
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=config.lr)
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-
-
-def _sync_gradients(ctx: DistContext, model: StageModel) -> None:
-    """Sum gradients over the data- and context-parallel replicas (bucket by bucket), the q/k norms'
-    over tensor parallelism, and tied embeddings over the pipeline ends."""
-    params = list(model.parameters())
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+def _sync_gradients(ctx: DistContext, model: StageModel, grads: dict[str, torch.Tensor]) -> None:
+    """Sum gradients (the masters': fp32 in bf16 too) over the data- and context-parallel replicas
+    (bucket by bucket), the q/k norms' over tensor parallelism, and tied embeddings over the pipeline ends."""
     if ctx.tp_group is not None and model.shape.qk_norm:
         # q/k norms act per head and each TP rank holds only its heads: their gradients are partial sums.
-        all_reduce_bucketed([p.grad for n, p in model.named_model_params().items()
-                             if n.endswith(("q_norm", "k_norm"))], ctx.tp_group)
+        all_reduce_bucketed([g for n, g in grads.items() if n.endswith(("q_norm", "k_norm"))], ctx.tp_group)
     if ctx.grad_group is not None:
-        all_reduce_bucketed([p.grad for p in params], ctx.grad_group)
+        all_reduce_bucketed(list(grads.values()), ctx.grad_group)
     if ctx.end_group is not None and model.shape.tied_embeddings:
-        dist.all_reduce(model.param("embedding").grad, group=ctx.end_group)
+        dist.all_reduce(grads["embedding"], group=ctx.end_group)
 
 
 CLOCK_CONTROL = ("none", "active", "degraded")

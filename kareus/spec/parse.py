@@ -45,6 +45,7 @@ from kareus.spec.types import (
     MaxThroughput,
     ModelSpec,
     Objective,
+    OptimizerSpec,
     ParallelismSpec,
     PretrainedSpec,
     ProfilingSpec,
@@ -96,6 +97,12 @@ MAX_BACKOFF_LIMIT = 1000
 MAX_CHECKPOINTS_KEPT = 1000
 MAX_DATA_PATH_LENGTH = 4096
 DATA_FORMATS = ("npy", "bin", "megatron")
+# spec.training.optimizer and precision (kareus.runtime.optimizer_recipe, kareus.runtime.precision).
+OPTIMIZER_NAMES = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
+PRECISIONS = ("fp32", "bf16")
+MAX_LR = 10.0
+MAX_CLIP_GRAD_NORM = 1e6
 OBJECTIVE_BOUNDS = {"maxSlowdownPercent": 1000.0, "iterationSeconds": 1e6, "perIterationJoules": 1e12,
                     "totalKilowattHours": 1e9}
 MAX_MEASUREMENT_SECONDS = 3600.0
@@ -462,12 +469,15 @@ def _read_training(train: Fields | None) -> TrainingSpec | None:
     checkpoint = _read_checkpoint(train.mapping("checkpoint")) if train.has("checkpoint") else None
     data = _read_data(train.mapping("data")) if train.has("data") else None
     export = _read_export(train.mapping("export")) if train.has("export") else None
+    optimizer = _read_optimizer(train.mapping("optimizer")) if train.has("optimizer") else None
+    precision = train.string("precision", None, max_length=8, choices=PRECISIONS)
+    tf32 = train.boolean("tf32", None)
     train.finish()
     if len(train.errors) > before:
         return None
     return TrainingSpec(image=image, steps=steps, gpus_per_node=gpus_per_node, nodes=nodes, command=command,
                         args=args, env=env, resources=resources, cpu_proxy=cpu_proxy, checkpoint=checkpoint,
-                        data=data, export=export)
+                        data=data, export=export, optimizer=optimizer, precision=precision, tf32=tf32)
 
 
 def _read_export(export: Fields | None) -> ExportSpec | None:
@@ -477,6 +487,46 @@ def _read_export(export: Fields | None) -> ExportSpec | None:
     before = len(export.errors)
     export.finish()
     return None if len(export.errors) > before else ExportSpec()
+
+
+def _read_optimizer(opt: Fields | None) -> OptimizerSpec | None:
+    if opt is None:
+        return None
+    before = len(opt.errors)
+    values = {
+        "name": opt.string("name", None, max_length=16, choices=OPTIMIZER_NAMES),
+        "lr": opt.number("lr", None, minimum=0.0, maximum=MAX_LR, exclusive_minimum=True),
+        "min_lr": opt.number("minLr", None, minimum=0.0, maximum=MAX_LR),
+        "warmup_steps": opt.integer("warmupSteps", None, minimum=0, maximum=MAX_STEPS),
+        "schedule_kind": opt.string("schedule", None, max_length=16, choices=LR_SCHEDULES),
+        "decay_steps": opt.integer("decaySteps", None, maximum=MAX_STEPS),
+        "wsd_decay_fraction": opt.number("wsdDecayFraction", None, minimum=0.0, maximum=1.0, exclusive_minimum=True),
+        "weight_decay": opt.number("weightDecay", None, minimum=0.0, maximum=1.0),
+        "decay_embeddings": opt.boolean("decayEmbeddings", None),
+        "beta1": _beta(opt, "beta1"),
+        "beta2": _beta(opt, "beta2"),
+        "eps": opt.number("eps", None, minimum=0.0, maximum=1.0, exclusive_minimum=True),
+        "clip_grad_norm": opt.number("clipGradNorm", None, minimum=0.0, maximum=MAX_CLIP_GRAD_NORM),
+    }
+    opt.finish()
+    if len(opt.errors) > before:
+        return None
+    if values["min_lr"] is not None and values["lr"] is not None and values["min_lr"] > values["lr"]:
+        opt.error("minLr", f"must be at most lr ({values['lr']:g}): the schedule decays to it, got {values['min_lr']:g}")
+    if values["warmup_steps"] is not None and values["decay_steps"] is not None \
+            and values["warmup_steps"] > values["decay_steps"]:
+        opt.error("decaySteps", f"must be at least warmupSteps ({values['warmup_steps']}): the decay counts from "
+                                f"step 0, warmup included, got {values['decay_steps']}")
+    return None if len(opt.errors) > before else OptimizerSpec(**values)
+
+
+def _beta(opt: Fields, key: str) -> float | None:
+    """An Adam beta: a number in [0, 1); 1 would freeze the moment estimate."""
+    value = opt.number(key, None, minimum=0.0, maximum=1.0)
+    if value is not None and value >= 1.0:
+        opt.error(key, f"must be a number in [0, 1), got {describe(value)}")
+        return None
+    return value
 
 
 def _read_checkpoint(ckpt: Fields | None) -> CheckpointSpec | None:

@@ -292,12 +292,45 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class ExportSpec:
-    """Export the trained model as a Hugging Face directory after the final step: the last training
+    """Export the trained model as a Hugging Face directory after the final step: rank 0's training
     pod writes it next to the checkpoints, `<checkpoint claim>/<job uid>/export/`, and the operator
     names it in `status.export.path`. No options yet; the object leaves room for them."""
 
     def to_dict(self) -> dict[str, Any]:
         return {}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """`spec.training.optimizer`: the optimizer recipe; None fields take the runtime's defaults
+    (`kareus.runtime.optimizer_recipe`: AdamW, cosine to lr/10 after warmup, weight decay 0.1,
+    clipping at 1.0). Field names are the recipe's."""
+
+    name: str | None = None
+    lr: float | None = None
+    min_lr: float | None = None
+    warmup_steps: int | None = None
+    schedule_kind: str | None = None
+    decay_steps: int | None = None
+    wsd_decay_fraction: float | None = None
+    weight_decay: float | None = None
+    decay_embeddings: bool | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    clip_grad_norm: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({manifest: getattr(self, attr) for manifest, attr in OPTIMIZER_FIELDS})
+
+
+# `spec.training.optimizer` fields: (manifest name, OptimizerSpec attribute).
+OPTIMIZER_FIELDS: tuple[tuple[str, str], ...] = (
+    ("name", "name"), ("lr", "lr"), ("minLr", "min_lr"), ("warmupSteps", "warmup_steps"),
+    ("schedule", "schedule_kind"), ("decaySteps", "decay_steps"), ("wsdDecayFraction", "wsd_decay_fraction"),
+    ("weightDecay", "weight_decay"), ("decayEmbeddings", "decay_embeddings"), ("beta1", "beta1"),
+    ("beta2", "beta2"), ("eps", "eps"), ("clipGradNorm", "clip_grad_norm"),
+)
 
 
 @dataclass(frozen=True)
@@ -316,6 +349,9 @@ class TrainingSpec:
     checkpoint: CheckpointSpec | None = None
     data: DataSpec | None = None
     export: ExportSpec | None = None
+    optimizer: OptimizerSpec | None = None
+    precision: str | None = None  # fp32 | bf16 (bf16 compute, fp32 master weights); None: fp32
+    tf32: bool | None = None  # TF32 for fp32 matmuls on GPU; None: on
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"image": self.image}
@@ -336,6 +372,12 @@ class TrainingSpec:
             out["data"] = self.data.to_dict()
         if self.export is not None:
             out["export"] = self.export.to_dict()
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.to_dict()
+        if self.precision is not None:
+            out["precision"] = self.precision
+        if self.tf32 is not None:
+            out["tf32"] = self.tf32
         return out
 
 

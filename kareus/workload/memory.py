@@ -17,9 +17,10 @@ groups. What is counted, per rank of stage s (`MemoryInputs` names each choice):
   `6h + 4q + 4kv + 4f` per layer under autograd (sequential engine), `+2h` in the partitioned
   engine, whose op records also keep the projection and FC2 outputs (h hidden, q/kv the local
   query/key-value widths, f the local FFN width). 1F1B keeps `min(pp - s, microbatches)`
-  microbatches in flight on stage s. Stage checkpointing (today's `activationCheckpointing:
-  true`) keeps each in-flight microbatch's stage input and recomputes the whole stage for one
-  microbatch in backward; `layer` checkpointing keeps every layer's input and recomputes one layer.
+  microbatches in flight on stage s. `layer` checkpointing (what the runtime runs for
+  `activationCheckpointing: true`) keeps every layer's input and recomputes one layer at a time;
+  `stage` checkpointing (the runtime's former behaviour, still selectable in `TrainConfig`) keeps
+  each in-flight microbatch's stage input and recomputes the whole stage for one microbatch.
 - **logits**: the output layer's `[mbs, seq/cp, vocab(/tp)]` in fp32: the saved log-softmax of
   every in-flight microbatch, and in its backward the upstream and the softmax gradients beside it.
 - **comm buffers**: the pipeline sends (a stage keeps every activation and gradient it sent until
@@ -56,8 +57,8 @@ PARTS = ("weights", "gradients", "optimizer", "master", "optimizer temporaries",
 
 @dataclass(frozen=True)
 class MemoryInputs:
-    """Everything the plan depends on. `checkpointing`: none | stage (the whole stage recomputed,
-    what `activationCheckpointing: true` runs today) | layer; `engine`: how forwards keep their
+    """Everything the plan depends on. `checkpointing`: none | stage (the whole stage recomputed) |
+    layer (one layer at a time: what `activationCheckpointing: true` runs); `engine`: how forwards keep their
     activations (partitioned op records or sequential autograd)."""
 
     shape: ModelShape
@@ -157,7 +158,7 @@ def inputs_of_job(job: Any) -> MemoryInputs:
     training = spec.training
     optimizer = getattr(getattr(training, "optimizer", None), "name", None) or "adamw"
     ckpt = par.activation_checkpointing
-    checkpointing = {True: "stage", False: "none"}.get(ckpt, ckpt) if isinstance(ckpt, bool) else str(ckpt)
+    checkpointing = {True: "layer", False: "none"}.get(ckpt, ckpt) if isinstance(ckpt, bool) else str(ckpt)
     # `selective` recomputes less than a layer: a layer's plan is the safe side of it.
     checkpointing = {"selective": "layer"}.get(checkpointing, checkpointing)
     return MemoryInputs(spec.model_shape(), spec.sequence_length, tp=par.tensor, pp=par.pipeline, cp=par.context,
@@ -266,9 +267,11 @@ def _stage(inputs: MemoryInputs, stage: int, layers: int) -> StageMemory:
     }
     if not last:
         del moments["loss backward"]
-    # Stage checkpointing recomputes with the input still held: that is the stage backward's start.
+    # Checkpointing recomputes with the kept inputs still held (layer: all of them at the last
+    # layer's recompute; each is dropped once its layer is done): that is the stage backward's start.
     if inputs.checkpointing != "none":
-        moments["stage backward"]["activations"] = (in_flight - 1) * per_mb_fwd + boundary + recompute
+        held = boundary if inputs.checkpointing == "stage" else layers * boundary
+        moments["stage backward"]["activations"] = (in_flight - 1) * per_mb_fwd + held + recompute
     name, parts = max(moments.items(), key=lambda item: sum(item[1].values()))
     merged = static | parts
     return StageMemory(stage, layers, name, {part: int(merged.get(part, 0)) for part in PARTS})
