@@ -12,9 +12,11 @@ import yaml
 from kareus.errors import KareusError
 from kareus.spec import (
     EnergyBudget,
+    ExportSpec,
     FieldError,
     KareusJob,
     MaxThroughput,
+    PretrainedSpec,
     SpecError,
     TimeBudget,
     immutable_changes,
@@ -292,3 +294,43 @@ def test_values_are_frozen_and_hashable(quickstart):
     assert hash(job) == hash(parse_job(copy.deepcopy(quickstart))) and len({job, parse_job(job.to_dict())}) == 1
     with pytest.raises(AttributeError):
         job.spec.sequence_length = 1  # type: ignore[misc]
+
+
+def test_pretrained_and_export_parse_and_round_trip(quickstart):
+    quickstart["spec"]["model"]["pretrained"] = {"claimName": "models", "path": "llama/tiny"}
+    quickstart["spec"]["training"] |= {"checkpoint": {"everySteps": 4, "claimName": "ckpt"}, "export": {}}
+    job = parse_job(quickstart)
+    assert job.spec.model.pretrained == PretrainedSpec("models", "llama/tiny")
+    assert job.spec.training.export == ExportSpec()
+    assert job.spec.model_shape() == PRESETS["tiny"]  # the weights' source is not part of the shape
+    assert parse_job(job.to_dict()) == job and hash(job) == hash(parse_job(job.to_dict()))
+    assert job.to_dict()["spec"]["training"]["export"] == {}
+    del quickstart["spec"]["training"]["export"], quickstart["spec"]["model"]["pretrained"]
+    plain = parse_job(quickstart)
+    assert plain.spec.training.export is None and plain.spec.model.pretrained is None
+    assert "export" not in plain.to_dict()["spec"]["training"]
+    assert "pretrained" not in plain.to_dict()["spec"]["model"]
+
+
+@pytest.mark.parametrize(("change", "path", "fragment"), [
+    (lambda s: s["model"].update(pretrained={"claimName": "Models_1", "path": "m"}),
+     "spec.model.pretrained.claimName", "PersistentVolumeClaim"),
+    (lambda s: s["model"].update(pretrained={"claimName": "models"}), "spec.model.pretrained.path", "required"),
+    (lambda s: s["model"].update(pretrained={"claimName": "models", "path": "/m"}),
+     "spec.model.pretrained.path", "relative to the claim's root"),
+    (lambda s: s["model"].update(pretrained={"claimName": "models", "path": "a/../../etc"}),
+     "spec.model.pretrained.path", "'..'"),
+    (lambda s: s["model"].update(pretrained={"claimName": "models", "path": "m", "readOnly": True}),
+     "spec.model.pretrained.readOnly", "unknown field"),
+    (lambda s: s["training"].update(export={}), "spec.training.export", "needs training.checkpoint with a claimName"),
+    (lambda s: s["training"].update(export={}, checkpoint={"everySteps": 4}),
+     "spec.training.export", "needs training.checkpoint with a claimName"),
+    (lambda s: s["training"].update(export={"format": "hf"}, checkpoint={"everySteps": 4, "claimName": "c"}),
+     "spec.training.export.format", "unknown field"),
+    (lambda s: s["training"].update(export="yes", checkpoint={"everySteps": 4, "claimName": "c"}),
+     "spec.training.export", "object"),
+])
+def test_bad_pretrained_or_export_is_one_error_at_its_field(quickstart, change, path, fragment):
+    change(quickstart["spec"])
+    errors = errors_of(quickstart)
+    assert list(errors) == [path] and fragment in errors[path], errors

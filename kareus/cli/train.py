@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from kareus.errors import KareusError
+from kareus.errors import EXIT_CONFIG, KareusError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "--checkpoint-dir holds a checkpoint of this run")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default 0)")
     parser.add_argument("--out", metavar="DIR", help="write DIR/train.jsonl (rank 0)")
+    parser.add_argument("--export-dir", metavar="DIR", help="after the final step, save a checkpoint of it (if "
+                        "there is none) and write it as a Hugging Face model directory into DIR (via DIR.partial, "
+                        "renamed when complete; an export already there is kept); needs --checkpoint-dir")
     parser.add_argument("--nproc", type=int, help="processes to start on this node (default: all); with "
                         "NNODES nodes, nproc × NNODES must equal tensor×context×pipeline×data")
     parser.add_argument("--schedule", choices=("plan", "sequential"), default="plan",
@@ -137,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
                  "metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr, "device": args.device,
                  "comm_standin": args.comm_standin,
                  "job_name": job.name, "plan_path": args.plan, "plan_digest": digest, "sim_params": args.sim_params}
+    if args.export_dir:
+        overrides["export_dir"] = args.export_dir
     for name in ("steps", "dtype", "tf32"):  # else the job spec's
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
@@ -149,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
     result = train(job, plan, schedule_mode=args.schedule, nproc=args.nproc, **overrides)
     if int(os.environ.get("RANK", "0")) == 0:
         _print_summary(result, args.json)
+        if result.exported and not args.json:
+            print(f"export: {result.exported} (a Hugging Face model directory)")
     if result.stopped_early:
         kept = (f"; checkpoint after step {result.checkpoint_step} saved" if result.checkpoint_step is not None
                 else "; no checkpoint kept (no --checkpoint-dir)")
@@ -175,6 +182,9 @@ def _check_args(args: argparse.Namespace) -> None:
             raise KareusError(f"--{name.replace('_', '-')} must be in {interval}, got {value}")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise KareusError("--checkpoint-every needs --checkpoint-dir")
+    if args.export_dir and not args.checkpoint_dir:
+        raise KareusError("--export-dir needs --checkpoint-dir: the export is written from the final step's checkpoint",
+                          exit_code=EXIT_CONFIG)
 
 
 # (flag, low, high, low open, high open): the spec's bounds of the same fields, except that the command
@@ -212,6 +222,7 @@ def _print_summary(result, as_json: bool) -> None:
         "modelled_iteration_time_s": result.modelled_time_s,
         "tokens_per_step": result.tokens_per_step,
         "out_dir": result.out_dir,
+        "exported": result.exported,
     }
     if as_json:
         print(json.dumps(summary))

@@ -23,9 +23,11 @@ with its reason.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -116,6 +118,9 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # resume from the newest usable checkpoint here, save into it
     checkpoint_every: int = 0  # steps between checkpoints (0: only when a SIGTERM stops the run)
     checkpoint_keep: int = 2
+    # After the final step: a checkpoint of it, exported by rank 0 as a Hugging Face directory here
+    # (`kareus.runtime.export`); needs checkpoint_dir, since the export reads the checkpoint.
+    export_dir: str | None = None
     out_dir: str | None = None
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
@@ -155,6 +160,9 @@ class TrainConfig:
             raise KareusError(f"spec.sequenceLength {self.seq_len} must be divisible by context parallelism {self.cp}")
         if self.steps < 0:
             raise KareusError(f"steps must be >= 0, got {self.steps}")
+        if self.export_dir and not self.checkpoint_dir:
+            raise KareusError("--export-dir needs --checkpoint-dir: the export is written from the final step's "
+                              "checkpoint", exit_code=EXIT_CONFIG)
         if self.clock_lead_s < 0:
             raise KareusError(f"clock_lead_s must be >= 0, got {self.clock_lead_s}")
         checkpointing_mode(self.activation_checkpointing)
@@ -240,6 +248,7 @@ class TrainResult:
     checkpoint_step: int | None = None  # steps completed in the last checkpoint this run saved
     grad_norms: tuple[float, ...] = ()  # per step: the global gradient norm before clipping
     lrs: tuple[float, ...] = ()  # per step: the learning rate of its optimizer step
+    exported: str | None = None  # the Hugging Face export of the final step (export_dir), once it is there
 
 
 def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
@@ -320,6 +329,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
     outputs = _Outputs(ctx, config, schedule)
     records: list[StepRecord] = []
     stopped_early = False
+    signalled = False  # every rank agreed to stop after a step (SIGTERM), the final one included
     saved_step: int | None = None
 
     def save(steps_done: int, reason: str) -> None:
@@ -382,6 +392,7 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
                 # One write with its newline: the ranks share the pod's stderr, and print's two writes interleave.
                 sys.stderr.write(f"rank {ctx.rank}: stopping after step {step} of {config.steps} (SIGTERM)\n")
                 sys.stderr.flush()
+                signalled = True
                 stopped_early = step + 1 < config.steps
                 if checkpointer and stopped_early:  # within the pod's grace period: the work so far is kept
                     save(step + 1, "sigterm")
@@ -392,13 +403,25 @@ def run_rank(ctx: DistContext, config: TrainConfig, schedule: Schedule, *,
         outputs.close()
         follower.close()
         clock.close()
+    exported = None
+    if config.export_dir and not stopped_early:
+        if saved_step != config.steps and not (resumed and resumed.step == config.steps):
+            save(config.steps, "sigterm" if signalled else "final")
+        if signalled:
+            # The pod is being stopped: its grace period is for the checkpoint, not an export of the whole
+            # model. The next run resumes at the final step and exports; exit as stopped, so it is retried.
+            stopped_early = True
+            if ctx.rank == 0:
+                log.info("export to %s left to the next run: stopped by SIGTERM after the final step", config.export_dir)
+        elif ctx.rank == 0:
+            exported = str(export_final(config.checkpoint_dir, config.export_dir, config.steps))
     result = TrainResult(tuple(r.loss for r in records), tuple(r.iteration_time_s for r in records),
                          tuple(r.energy_j for r in records), tokens_per_step, source,
                          records[-1].modelled_time_s if records else None, tuple(follower.log), config.out_dir,
                          outputs.metrics_port, tuple(r.plan_revision for r in records),
                          tuple(r.clock_control for r in records), tuple(running.rows_run),
                          tuple(decisions), trained.proxy, stopped_early, first_step, saved_step,
-                         tuple(r.grad_norm for r in records), tuple(r.lr for r in records))
+                         tuple(r.grad_norm for r in records), tuple(r.lr for r in records), exported)
     return result, (model if keep_model else None)
 
 
@@ -878,3 +901,40 @@ def _spawned_rank(rank: int, store, config: TrainConfig, schedule: Schedule, pla
     result, _ = run_rank(ctx, config, schedule, plan=plan)
     if int(os.environ["LOCAL_RANK"]) == 0:  # the node's first process reports (losses are global)
         (Path(result_dir) / "result.pkl").write_bytes(pickle.dumps(result))
+
+
+def export_final(checkpoint_dir: str, export_dir: str, step: int) -> Path:
+    """Rank 0's export of the checkpoint after `step` steps into `export_dir`, written into
+    `<export_dir>.partial` and renamed into place, so a pod killed midway leaves no half export (the
+    next run removes the partial one and writes it again). An export of `step` already there (a run
+    resumed after it finished) is kept as it is; one of another step is an error, never overwritten."""
+    from kareus.runtime.export import export_checkpoint
+
+    final = Path(export_dir)
+    if final.exists():
+        written = _export_step(final)
+        if written == step:
+            log.info("export of step %d already in %s: nothing to do", step, final)
+            return final
+        held = f"an export of step {written}" if written is not None else "something other than an export"
+        raise KareusError(f"--export-dir {final}: holds {held}, not of step {step}; remove it or export elsewhere",
+                          exit_code=EXIT_CONFIG)
+    partial = final.with_name(final.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)  # a killed export's leftovers
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    done = export_checkpoint(checkpoint_dir, partial, step=step)
+    os.replace(partial, final)
+    log.info("exported step %d as a Hugging Face model: %s (%d files, %.1f MB) in %.1f s", step, final,
+             len(done.files), done.total_bytes / 1e6, time.perf_counter() - started)
+    return final
+
+
+def _export_step(directory: Path) -> int | None:
+    """The step an export directory was written from (its index's metadata), None when unreadable."""
+    try:
+        step = json.loads((directory / "model.safetensors.index.json").read_text())["metadata"]["kareus_step"]
+        return int(step)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

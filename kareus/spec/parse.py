@@ -39,6 +39,7 @@ from kareus.spec.types import (
     DataSpec,
     EnergyBudget,
     EnvVar,
+    ExportSpec,
     JobSpec,
     KareusJob,
     MaxThroughput,
@@ -46,6 +47,7 @@ from kareus.spec.types import (
     Objective,
     OptimizerSpec,
     ParallelismSpec,
+    PretrainedSpec,
     ProfilingSpec,
     ResourcesSpec,
     TimeBudget,
@@ -322,6 +324,7 @@ def _read_model(model: Fields | None) -> ModelSpec | None:
             value = model.integer(key, None, maximum=MODEL_BOUNDS[key])
         if value is not None:
             overrides[key] = value
+    pretrained = _read_pretrained(model.mapping("pretrained")) if model.has("pretrained") else None
     model.finish()
     if len(model.errors) > before:
         return None
@@ -331,7 +334,19 @@ def _read_model(model: Fields | None) -> ModelSpec | None:
             model.error(None, f"set preset (one of {', '.join(sorted(PRESETS))}) or an explicit shape; "
                               f"missing {', '.join(missing)}")
             return None
-    return ModelSpec(preset=preset, overrides=overrides)
+    return ModelSpec(preset=preset, overrides=overrides, pretrained=pretrained)
+
+
+def _read_pretrained(pretrained: Fields | None) -> PretrainedSpec | None:
+    """`spec.model.pretrained`: a claim and a path inside it (the path rules are checked across fields)."""
+    if pretrained is None:
+        return None
+    before = len(pretrained.errors)
+    claim_name = pretrained.string("claimName", max_length=253, pattern=DNS_SUBDOMAIN,
+                                   hint=" (a PersistentVolumeClaim name)")
+    model_path = pretrained.string("path", max_length=MAX_DATA_PATH_LENGTH)
+    pretrained.finish()
+    return None if len(pretrained.errors) > before else PretrainedSpec(claim_name, model_path)
 
 
 def _read_rope_scaling(scaling: Fields | None) -> dict[str, Any] | None:
@@ -453,6 +468,7 @@ def _read_training(train: Fields | None) -> TrainingSpec | None:
     cpu_proxy = _read_cpu_proxy(train.mapping("cpuProxy")) if train.has("cpuProxy") else None
     checkpoint = _read_checkpoint(train.mapping("checkpoint")) if train.has("checkpoint") else None
     data = _read_data(train.mapping("data")) if train.has("data") else None
+    export = _read_export(train.mapping("export")) if train.has("export") else None
     optimizer = _read_optimizer(train.mapping("optimizer")) if train.has("optimizer") else None
     precision = train.string("precision", None, max_length=8, choices=PRECISIONS)
     tf32 = train.boolean("tf32", None)
@@ -461,7 +477,16 @@ def _read_training(train: Fields | None) -> TrainingSpec | None:
         return None
     return TrainingSpec(image=image, steps=steps, gpus_per_node=gpus_per_node, nodes=nodes, command=command,
                         args=args, env=env, resources=resources, cpu_proxy=cpu_proxy, checkpoint=checkpoint,
-                        data=data, optimizer=optimizer, precision=precision, tf32=tf32)
+                        data=data, export=export, optimizer=optimizer, precision=precision, tf32=tf32)
+
+
+def _read_export(export: Fields | None) -> ExportSpec | None:
+    """`spec.training.export`: `{}` for now (no options yet, so any field is unknown)."""
+    if export is None:
+        return None
+    before = len(export.errors)
+    export.finish()
+    return None if len(export.errors) > before else ExportSpec()
 
 
 def _read_optimizer(opt: Fields | None) -> OptimizerSpec | None:
@@ -641,6 +666,8 @@ def cross_field_errors(spec: JobSpec, path: str = "spec") -> list[FieldError]:
     if spec.training.cpu_proxy is not None:
         errors += _proxy_errors(spec, f"{path}.training.cpuProxy")
     errors += _storage_errors(spec.training, f"{path}.training")
+    if spec.model.pretrained is not None:
+        errors += _claim_path_errors(spec.model.pretrained.path, f"{model_path}.pretrained.path")
     return errors
 
 
@@ -653,14 +680,28 @@ def _storage_errors(training: TrainingSpec, path: str) -> list[FieldError]:
         errors.append(FieldError(f"{path}.checkpoint.everySteps", f"must be at most training.steps "
                                  f"({training.steps}): a longer interval never saves, got {ckpt.every_steps}"))
     if data is not None:
-        if data.claim_name is not None and data.path.startswith("/"):
-            errors.append(FieldError(f"{path}.data.path", "must be relative to the claim's root when "
-                                     f"claimName is set, got {data.path!r}"))
-        elif data.claim_name is None and not data.path.startswith("/"):
-            errors.append(FieldError(f"{path}.data.path", "must be absolute (a path in the training image) "
-                                     f"when no claimName is set, got {data.path!r}"))
-        if ".." in data.path.split("/"):
-            errors.append(FieldError(f"{path}.data.path", f"must not contain a '..' segment, got {data.path!r}"))
+        if data.claim_name is not None:
+            errors += _claim_path_errors(data.path, f"{path}.data.path")
+        else:
+            if not data.path.startswith("/"):
+                errors.append(FieldError(f"{path}.data.path", "must be absolute (a path in the training image) "
+                                         f"when no claimName is set, got {data.path!r}"))
+            if ".." in data.path.split("/"):
+                errors.append(FieldError(f"{path}.data.path", f"must not contain a '..' segment, got {data.path!r}"))
+    if training.export is not None and (ckpt is None or ckpt.claim_name is None):
+        # The export is written next to the checkpoints, on their claim: without one nothing outlives the pod.
+        errors.append(FieldError(f"{path}.export", "needs training.checkpoint with a claimName: the export is "
+                                 "written on the checkpoint claim (<claim>/<job uid>/export/)"))
+    return errors
+
+
+def _claim_path_errors(claim_path: str, where: str) -> list[FieldError]:
+    """A path inside a claim: relative to its root, never climbing out of it."""
+    errors = []
+    if claim_path.startswith("/"):
+        errors.append(FieldError(where, f"must be relative to the claim's root, got {claim_path!r}"))
+    if ".." in claim_path.split("/"):
+        errors.append(FieldError(where, f"must not contain a '..' segment, got {claim_path!r}"))
     return errors
 
 

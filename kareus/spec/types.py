@@ -87,6 +87,20 @@ def _reshaped(base: ModelShape, name: str, values: dict[str, Any]) -> ModelShape
 
 
 @dataclass(frozen=True)
+class PretrainedSpec:
+    """Published weights to start from: the Hugging Face model directory (config.json + safetensors)
+    or Kareus checkpoint at `path`, relative to the PersistentVolumeClaim `claim_name`. The operator
+    mounts that claim read-only into the training pods and passes `--init-from`; a run resumed from
+    its own checkpoint ignores it (the checkpoint wins)."""
+
+    claim_name: str
+    path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"claimName": self.claim_name, "path": self.path}
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A preset name, an explicit shape, or a preset with some dimensions overridden.
 
@@ -98,10 +112,11 @@ class ModelSpec:
 
     preset: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    pretrained: PretrainedSpec | None = None  # the starting weights; not part of the shape
 
     def __hash__(self) -> int:
         return hash((self.preset, _items({k: _items(v) if isinstance(v, dict) else v
-                                          for k, v in self.overrides.items()})))
+                                          for k, v in self.overrides.items()}), self.pretrained))
 
     def shape(self) -> ModelShape:
         values = dict(self.overrides)
@@ -115,7 +130,8 @@ class ModelSpec:
         return _reshaped(base, name, values)
 
     def to_dict(self) -> dict[str, Any]:
-        return _drop_none({"preset": self.preset}) | dict(self.overrides)
+        pretrained = None if self.pretrained is None else self.pretrained.to_dict()
+        return _drop_none({"preset": self.preset}) | dict(self.overrides) | _drop_none({"pretrained": pretrained})
 
 
 @dataclass(frozen=True)
@@ -275,6 +291,16 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class ExportSpec:
+    """Export the trained model as a Hugging Face directory after the final step: rank 0's training
+    pod writes it next to the checkpoints, `<checkpoint claim>/<job uid>/export/`, and the operator
+    names it in `status.export.path`. No options yet; the object leaves room for them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
     """`spec.training.optimizer`: the optimizer recipe; None fields take the runtime's defaults
     (`kareus.runtime.optimizer_recipe`: AdamW, cosine to lr/10 after warmup, weight decay 0.1,
@@ -322,6 +348,7 @@ class TrainingSpec:
     cpu_proxy: CpuProxySpec | None = None
     checkpoint: CheckpointSpec | None = None
     data: DataSpec | None = None
+    export: ExportSpec | None = None
     optimizer: OptimizerSpec | None = None
     precision: str | None = None  # fp32 | bf16 (bf16 compute, fp32 master weights); None: fp32
     tf32: bool | None = None  # TF32 for fp32 matmuls on GPU; None: on
@@ -343,6 +370,8 @@ class TrainingSpec:
             out["checkpoint"] = self.checkpoint.to_dict()
         if self.data is not None:
             out["data"] = self.data.to_dict()
+        if self.export is not None:
+            out["export"] = self.export.to_dict()
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer.to_dict()
         if self.precision is not None:

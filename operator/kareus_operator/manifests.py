@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import posixpath
 import re
 import zlib
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ from kareus_operator.ledger import LEDGER_FILE
 from kareus_operator.settings import (
     DAEMON_TOKEN_AUDIENCE,
     DAEMON_TOKEN_DIR,
+    EXPORT_DIR,
     JOB_FILE,
     LABEL_JOB,
     LABEL_JOB_UID,
@@ -52,6 +54,7 @@ from kareus_operator.settings import (
     MOUNT_JOB,
     MOUNT_OUT,
     MOUNT_PLAN,
+    MOUNT_PRETRAINED,
     MOUNT_PROFILE,
     PLAN_FILE,
     PLAN_FILE_GZ,
@@ -380,21 +383,43 @@ def checkpoint_dir(job_name: str) -> str:
     return f"{MOUNT_CHECKPOINTS}/{job_name}"
 
 
-def storage(job_name: str, spec: JobSpec) -> tuple[list[Volume], list[str], list[str]]:
-    """The training pods' claims (checkpoints read-write, data read-only), the runtime's flags for
-    them and the publisher's (the ledger that carries progress across restarts): none without a
-    claim, so a job without one runs as it always did."""
+def export_subdir(job_uid: str) -> str:
+    """Where a job's Hugging Face export lives on its checkpoint claim, relative to the claim's root.
+    Keyed by the uid, not the name: a job recreated under the same name never overwrites an earlier
+    job's model, and its checkpoints (under the name) still resume."""
+    return f"{job_uid}/{EXPORT_DIR}"
+
+
+def export_status_path(job: Mapping[str, Any], spec: JobSpec) -> str | None:
+    """`status.export.path` of a succeeded job that exports: `<checkpoint claim>:<job uid>/export`."""
+    ckpt = spec.training.checkpoint
+    if spec.training.export is None or ckpt is None or ckpt.claim_name is None:
+        return None
+    return f"{ckpt.claim_name}:{export_subdir(job['metadata']['uid'])}"
+
+
+def storage(job: Mapping[str, Any], spec: JobSpec) -> tuple[list[Volume], list[str], list[str]]:
+    """The training pods' claims (checkpoints read-write, data and pretrained weights read-only),
+    the runtime's flags for them and the publisher's (the ledger that carries progress across
+    restarts): none without a claim, so a job without one runs as it always did."""
     volumes: list[Volume] = []
     runtime: list[str] = []
     publisher: list[str] = []
-    ckpt, data = spec.training.checkpoint, spec.training.data
+    ckpt, data, pretrained = spec.training.checkpoint, spec.training.data, spec.model.pretrained
     if ckpt is not None and ckpt.claim_name is not None:
-        directory = checkpoint_dir(job_name)
+        directory = checkpoint_dir(job["metadata"]["name"])
         volumes.append(("kareus-checkpoints", {"persistentVolumeClaim": {"claimName": ckpt.claim_name}}, MOUNT_CHECKPOINTS))
         runtime += ["--checkpoint-dir", directory, "--checkpoint-every", str(ckpt.every_steps)]
         if ckpt.keep is not None:
             runtime += ["--checkpoint-keep", str(ckpt.keep)]
+        if spec.training.export is not None:
+            runtime += ["--export-dir", f"{MOUNT_CHECKPOINTS}/{export_subdir(job['metadata']['uid'])}"]
         publisher += ["--ledger", f"{directory}/{LEDGER_FILE}", "--checkpoint-dir", directory]
+    if pretrained is not None:
+        volumes.append(("kareus-pretrained", {"persistentVolumeClaim": {"claimName": pretrained.claim_name,
+                                                                        "readOnly": True}}, MOUNT_PRETRAINED))
+        # normpath: `.` (the claim's root) is the mount itself, not `/var/kareus/pretrained/.`
+        runtime += ["--init-from", posixpath.normpath(f"{MOUNT_PRETRAINED}/{pretrained.path}")]
     if data is not None:
         path = data.path
         if data.claim_name is not None:
@@ -415,7 +440,7 @@ def train_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, *, susp
     training = spec.training
     values = {"job": f"{MOUNT_JOB}/{JOB_FILE}", "plan": f"{MOUNT_PLAN}/{PLAN_FILE_GZ}", "out": MOUNT_OUT,
               "nproc": str(training.gpus_per_node)}
-    claims, storage_args, ledger_args = storage(name, spec)
+    claims, storage_args, ledger_args = storage(job, spec)
     command = list(training.command) or list(settings.train_command)
     command += _expand(settings.train_args, values) + storage_args + list(training.args)
     # Every rank runs the publisher; only node rank 0 follows train.jsonl (the others just run).
@@ -443,7 +468,7 @@ def train_job(job: Mapping[str, Any], spec: JobSpec, settings: Settings, *, susp
     pod["subdomain"] = train_service_name(name)
     container = pod["containers"][0]
     for mount in container["volumeMounts"]:
-        if mount["name"] == "kareus-data":
+        if mount["name"] in ("kareus-data", "kareus-pretrained"):
             mount["readOnly"] = True
     if training.resources is not None:
         for part in ("requests", "limits"):

@@ -512,6 +512,9 @@ class Reconciler:
             p.want("Training", False, "Completed", f"{spec.training.nodes} training pod(s) succeeded")
             p.want("Complete", True, "Completed", _measured_text(p.status.get("measured")))
             p.status["completionTime"] = iso(p.now)
+            # A rank exits 0 only after its part of the export is done (rank 0 renames it into place).
+            if (export := mf.export_status_path(p.job, spec)) is not None:
+                p.status["export"] = {"path": export}
             self._expire(p, spec)
             return
         pods = await self._pods_of(p, child)
