@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from hf_models import hf_logits, write_job
 
 from kareus.cli import main as cli_main
 from kareus.errors import EXIT_CONFIG
@@ -58,20 +59,7 @@ def _make_hf(directory: Path, **changes) -> Path:
 
 
 def _job(path: Path, name: str, tp: int, pp: int, model: dict | None = None) -> Path:
-    manifest = {"apiVersion": "kareus.dev/v1alpha1", "kind": "KareusJob", "metadata": {"name": name},
-                "spec": {"model": model or SPEC_MODEL, "sequenceLength": SEQ,
-                         "parallelism": {"tensor": tp, "pipeline": pp, "context": 1, "data": 1,
-                                         "microBatchSize": 2, "numMicroBatches": 2},
-                         "objective": {"maxThroughput": {}},
-                         "training": {"image": "x", "steps": 2, "gpusPerNode": tp * pp, "nodes": 1}}}
-    path.write_text(yaml.safe_dump(manifest))
-    return path
-
-
-def _logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits
+    return write_job(path, name, model or SPEC_MODEL, seq=SEQ, tp=tp, pp=pp, steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +89,7 @@ def test_hf_in_train_export_and_transformers_loads_the_same_model(world, capsys)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    original, exported = _logits(hf, tokens), _logits(out, tokens)
+    original, exported = hf_logits(hf, tokens), hf_logits(out, tokens)
     assert (exported - original).abs().max() < 1e-5
     assert original.std() > 0.5
 
@@ -207,4 +195,4 @@ def test_a_qwen3_model_with_tied_embeddings_exports_as_qwen3(tmp_path):
     assert "lm_head.weight" not in index["weight_map"]
     assert "model.layers.1.self_attn.q_norm.weight" in index["weight_map"]
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    assert (_logits(tmp_path / "out", tokens) - _logits(hf, tokens)).abs().max() < 1e-5
+    assert (hf_logits(tmp_path / "out", tokens) - hf_logits(hf, tokens)).abs().max() < 1e-5

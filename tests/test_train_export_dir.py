@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from hf_models import hf_logits, write_job
 
 from kareus.cli import main as cli_main
 from kareus.errors import EXIT_CONFIG, KareusError
@@ -29,20 +30,7 @@ SPEC_MODEL = {"layers": 2, "hidden": 32, "ffnHidden": 48, "heads": 4, "kvHeads":
 
 
 def job_file(path: Path, tp: int) -> Path:
-    manifest = {"apiVersion": "kareus.dev/v1alpha1", "kind": "KareusJob", "metadata": {"name": "exp"},
-                "spec": {"model": SPEC_MODEL, "sequenceLength": SEQ,
-                         "parallelism": {"tensor": tp, "pipeline": 1, "context": 1, "data": 1,
-                                         "microBatchSize": 2, "numMicroBatches": 2},
-                         "objective": {"maxThroughput": {}},
-                         "training": {"image": "x", "steps": 3, "gpusPerNode": tp, "nodes": 1}}}
-    path.write_text(yaml.safe_dump(manifest))
-    return path
-
-
-def logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits
+    return write_job(path, "exp", SPEC_MODEL, seq=SEQ, tp=tp, pp=1, steps=3)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +59,9 @@ def test_the_final_step_is_checkpointed_and_exported_by_rank_0(world, capsys):
     # The export is the trained checkpoint: the same logits as `kareus export` of it, not the start's.
     assert cli_main(["export", str(ck), "--out", str(root / "again")]) == 0
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    exported = logits(out, tokens)
-    assert torch.equal(exported, logits(root / "again", tokens))
-    assert (exported - logits(hf, tokens)).abs().max() > 1e-3  # 3 steps at lr 1e-2 moved the weights
+    exported = hf_logits(out, tokens)
+    assert torch.equal(exported, hf_logits(root / "again", tokens))
+    assert (exported - hf_logits(hf, tokens)).abs().max() > 1e-3  # 3 steps at lr 1e-2 moved the weights
 
 
 def test_a_killed_export_is_replaced_a_finished_one_kept_another_steps_refused(world, tmp_path, caplog):
