@@ -30,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "partitioned at default configs and default clocks); a new plan written to this "
                         "file takes effect at the next step boundary on every rank")
     parser.add_argument("--steps", type=int, help="iterations to run (default: spec.training.steps)")
-    parser.add_argument("--data", metavar="PATH", help="token file (default: the built-in corpus); its format "
+    parser.add_argument("--data", metavar="PATH", help="token file, e.g. a `kareus data prepare` PREFIX (default: the built-in byte corpus, "
+                        "only for a byte-level model (vocabulary 256) or the CPU proxy; any other model needs data); its format "
                         "from --data-format, else from the name: .npy, a Megatron PREFIX(.bin/.idx) pair, another "
                         ".bin (flat token ids), anything else read as bytes (byte-level tokenizer)")
     parser.add_argument("--data-format", metavar="npy|bin|megatron|bytes", help="npy: NumPy token ids; bin: flat little-endian "
