@@ -98,9 +98,10 @@ class ModelShape:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values by attribute name; `rope_scaling` only when set, so the documents made
         before it existed (plans, profile keys, checkpoint manifests) read and hash the same."""
-        out: dict[str, Any] = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling is not None else None
-        return {k: v for k, v in out.items() if not (k == "rope_scaling" and v is None)}
+        out: dict[str, Any] = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "rope_scaling"}
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = asdict(self.rope_scaling)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelShape:
